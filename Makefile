@@ -1,0 +1,24 @@
+# make demo  - the main job, offline, on this machine: data, train (CPU preset), official metric
+# make test  - the test suite
+# Both install into .venv first. TORCH is what pip installs for PyTorch; inside a Neuron venv,
+# skip make and run the commands of the README directly.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+install: $(VENV)/installed
+
+demo: install
+	$(PY) prepare.py setup --source stdlib
+
+test: install
+	$(PY) -m pytest -q tests
+
+.PHONY: install demo test

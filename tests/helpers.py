@@ -1,0 +1,144 @@
+"""Shared test helpers: tiny generated data, the shipped tokenizer, toy models."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.nn as nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import prepare  # noqa: E402
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu the of and to in is was for on "
+         "with as by at from que été naïve café 北京 東京 Ωmega").split()
+
+
+def shipped_tokenizer() -> prepare.Tokenizer:
+    path = prepare.SHIPPED_TOKENIZER_DIR / "stdlib.json"
+    return prepare.Tokenizer.from_file(path, prepare.sha256_file(path))
+
+
+def random_documents(n: int, seed: int = 0, min_words: int = 20, max_words: int = 150) -> list[str]:
+    """n distinct documents (each carries its index, so no two are equal)."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))]
+        docs.append(f"Document {i}. " + " ".join(words) + ".")
+    return docs
+
+
+def documents_with_token_count(tokenizer, n_tokens: int, k: int, seed: int = 0) -> list[str]:
+    """k distinct documents that each encode to exactly n_tokens tokens (BOS not counted)."""
+    rng = random.Random(seed)
+    docs, seen = [], set()
+    while len(docs) < k:
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, n_tokens)))
+        if text not in seen and len(tokenizer.encode(text)) == n_tokens:
+            seen.add(text)
+            docs.append(text)
+    return docs
+
+
+def write_shard(path: Path, docs: list[str], row_group_size: int = 64) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": pa.array(docs, type=pa.string())}), path, row_group_size=row_group_size)
+    return path
+
+
+def make_text_source(folder: Path, docs: list[str], per_file: int = 50) -> Path:
+    """A dir: source of .jsonl files holding the documents."""
+    import json
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(0, len(docs), per_file):
+        with open(folder / f"part_{k // per_file:03d}.jsonl", "w", encoding="utf-8") as f:
+            for doc in docs[k:k + per_file]:
+                f.write(json.dumps({"text": doc}) + "\n")
+    return folder
+
+
+def run_prepare(args: list[str], env_extra: dict | None = None, cwd: Path = REPO, timeout: int = 600):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "prepare.py", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# --- toy models for the metric ------------------------------------------------------------------
+
+class UniformModel(nn.Module):
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, idx):
+        return torch.zeros(*idx.shape, self.vocab)
+
+
+class BigramModel(nn.Module):
+    """logits[t] = log_probs[idx[t]]: a pure function of the current token."""
+
+    def __init__(self, log_probs: torch.Tensor):
+        super().__init__()
+        self.register_buffer("log_probs", log_probs.float())
+
+    def forward(self, idx):
+        return self.log_probs[idx]
+
+
+class PeekModel(nn.Module):
+    """Cheats: puts its mass on the *next* input token, which it should not see."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, idx):
+        logits = torch.zeros(*idx.shape, self.vocab)
+        nxt = torch.roll(idx, -1, dims=1)
+        logits.scatter_(2, nxt.unsqueeze(-1), 10.0)
+        return logits
+
+
+class BatchMixModel(nn.Module):
+    """Row outputs depend on the other rows of the batch."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, idx):
+        logits = torch.zeros(*idx.shape, self.vocab)
+        return logits + idx.float().mean(dim=0, keepdim=True).unsqueeze(-1) / 1000
+
+
+class BatchSizeModel(nn.Module):
+    """Outputs depend on how many rows are in the batch."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, idx):
+        return torch.zeros(*idx.shape, self.vocab) + float(idx.shape[0])
+
+
+class NaNModel(UniformModel):
+    def forward(self, idx):
+        out = super().forward(idx)
+        out[0, -1, 0] = float("nan")
+        return out
+
+
+class WrongShapeModel(UniformModel):
+    def forward(self, idx):
+        return torch.zeros(idx.shape[0], self.vocab)  # forgot the time dimension
