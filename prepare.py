@@ -808,21 +808,25 @@ def _pack_rows(token_batches, row_capacity: int, buffer_size: int):
     """BOS-aligned best-fit packing. Yields (row, epoch), row an int32 array of row_capacity tokens:
     each row is filled with the longest buffered document that still fits, and when none fits, the
     shortest one is cropped to fill it exactly. No padding; every row starts at a document start.
-    On a finite input it stops when the buffer cannot fill another row."""
+    The buffer holds documents of one epoch at a time (so a small dataset never has two copies of
+    a document in it). On a finite input it stops when the buffer cannot fill another row."""
     lengths: list[int] = []  # sorted; docs[i] has length lengths[i]
     docs: list[np.ndarray] = []
     source = iter(token_batches)
-    exhausted, epoch = False, 1
+    pending, epoch = None, 1
     while True:
         row = np.empty(row_capacity, dtype=np.int32)
         pos = 0
         while pos < row_capacity:
-            while not exhausted and len(docs) < buffer_size:
-                try:
-                    batch, epoch = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
+            while len(docs) < buffer_size:
+                if pending is None:
+                    pending = next(source, None)
+                    if pending is None:
+                        break
+                if docs and pending[1] != epoch:
+                    break  # use up this epoch's documents first
+                batch, epoch = pending
+                pending = None
                 for doc in batch:
                     i = bisect.bisect_right(lengths, len(doc))
                     lengths.insert(i, len(doc))

@@ -1,0 +1,83 @@
+"""The budget ledger: charged time = wall time since process start minus the start-up allowance."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import prepare
+from helpers import REPO
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake clock: the process started at t=1000."""
+    now = {"t": 1000.0}
+    monkeypatch.setattr(prepare, "_PROCESS_START", 1000.0)
+    monkeypatch.setattr(prepare, "_LEDGER", {"startup_end": None, "last_step": None})
+    monkeypatch.setattr(prepare.time, "time", lambda: now["t"])
+    return now
+
+
+def test_constants():
+    assert prepare.TRAIN_STARTUP_STEPS_EXCLUDED == 2 and prepare.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS == 900
+    assert prepare.EVAL_TIMEOUT_SECONDS == 1200 and prepare.TOKENIZER_VOCAB_SIZE == 8192
+
+
+def test_startup_until_end_of_step_one_is_not_charged(clock):
+    clock["t"] = 1100.0
+    s = prepare.record_step_boundary(0)
+    assert not s["startup_complete"] and s["charged_seconds"] == 0.0
+    clock["t"] = 1300.0
+    s = prepare.record_step_boundary(1)  # end of step TRAIN_STARTUP_STEPS_EXCLUDED - 1
+    assert s["startup_complete"] and s["startup_allowance_seconds"] == 300.0 and s["charged_seconds"] == 0.0
+    clock["t"] = 1300.0 + 1800.0
+    s = prepare.record_step_boundary(500)
+    assert s["charged_seconds"] == 1800.0 and not s["over_budget"]
+    clock["t"] += 0.5
+    assert prepare.budget_status()["over_budget"] and prepare.charged_seconds() == 1800.5
+
+
+def test_startup_allowance_is_capped(clock):
+    clock["t"] = 1000.0 + 1000.0
+    prepare.record_step_boundary(0)
+    prepare.record_step_boundary(1)
+    s = prepare.budget_status()
+    assert s["startup_allowance_seconds"] == 900.0 and s["charged_seconds"] == 100.0
+    assert s["remaining_seconds"] == prepare.TRAIN_TIME_BUDGET_SECONDS - 100.0
+
+
+def test_before_startup_ends_only_time_beyond_the_cap_is_charged(clock):
+    clock["t"] = 1000.0 + 950.0
+    assert prepare.budget_status()["charged_seconds"] == 50.0
+
+
+def test_a_custom_budget(clock):
+    clock["t"] = 1000.0 + 20.0
+    prepare.record_step_boundary(1)
+    clock["t"] += 301.0
+    assert prepare.budget_status(budget_seconds=300)["over_budget"]
+
+
+def test_bad_step_is_rejected(clock):
+    with pytest.raises(ValueError):
+        prepare.record_step_boundary(-1)
+
+
+def test_process_start_is_before_import():
+    start = prepare.process_start_time()
+    assert start <= prepare._IMPORT_TIME <= time.time()
+    assert time.time() - start < 24 * 3600
+
+
+def test_phase_two_budget_from_the_environment():
+    code = "import prepare; print(prepare.TRAIN_TIME_BUDGET_SECONDS)"
+    env = dict(os.environ, FRONTIER_PHASE="2")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "14400"
+    env["FRONTIER_PHASE"] = "3"
+    bad = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "FRONTIER_PHASE must be 1 or 2" in bad.stderr

@@ -1,0 +1,79 @@
+"""`prepare.py eval-public` / `eval`: the scorer's command line."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import REPO, random_documents, run_prepare, write_shard
+
+FIXTURE = REPO / "tests" / "fixtures" / "bigram_train.py"
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "final.pt"
+    torch.save({"state_dict": {"table.weight": torch.randn(8192, 8192) * 0.1}}, path)
+    return path
+
+
+def _lines(stdout: str) -> dict:
+    return dict(line.split(":", 1) for line in stdout.splitlines() if ":" in line and not line.startswith("["))
+
+
+def test_eval_public_scores_a_checkpoint_without_running_main(tmp_path, text_dataset, checkpoint):
+    env = {"FRONTIER_DATA_DIR": str(text_dataset), "MAIN_RAN_MARKER": str(tmp_path / "ran")}
+    result = run_prepare(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint),
+                          "--max-tokens", "8192", "--device", "cpu"], env)
+    assert result.returncode == 0, result.stderr
+    lines = {k: v.strip() for k, v in _lines(result.stdout).items()}
+    assert 1 < float(lines["val_bpb"]) < 20  # near-uniform logits: ~13 bits per ~2-byte token
+    assert lines["causality_passed"] == "True" and lines["eval_over_timeout"] == "False"
+    assert int(lines["eval_tokens"]) > 0 and lines["eval_seq_len"] == "1024"
+    assert lines["shard"].endswith("shard_00001.parquet")
+    assert len(lines["checkpoint_sha256"]) == 64 and len(lines["train_py_sha256"]) == 64
+    assert not (tmp_path / "ran").exists()
+
+
+def test_eval_on_any_shard(tmp_path, text_dataset, checkpoint):
+    shard = write_shard(tmp_path / "private.parquet", random_documents(100, seed=9))
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    result = run_prepare(["eval", "--val-shard", str(shard), "--train-py", str(FIXTURE), "--checkpoint",
+                          str(checkpoint), "--max-tokens", "4096"], env)
+    assert result.returncode == 0, result.stderr
+    assert _lines(result.stdout)["shard"].strip() == str(shard)
+
+
+def test_clear_errors(tmp_path, text_dataset, checkpoint):
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    no_hook = tmp_path / "no_hook.py"
+    no_hook.write_text("import torch\nMODEL = None\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def load_for_eval(path, device):\n    return (\n")
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    cases = [
+        (["eval-public", "--train-py", str(tmp_path / "nope.py"), "--checkpoint", str(checkpoint)], "nope.py: no such file"),
+        (["eval-public", "--train-py", str(no_hook), "--checkpoint", str(checkpoint)], "defines no load_for_eval"),
+        (["eval-public", "--train-py", str(broken), "--checkpoint", str(checkpoint)], "importing"),
+        (["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(garbage)], "load_for_eval could not load"),
+        (["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(tmp_path / "x.pt")], "x.pt: no such file"),
+        (["eval", "--val-shard", str(tmp_path / "v.parquet"), "--train-py", str(FIXTURE), "--checkpoint",
+          str(checkpoint)], "--val-shard"),
+    ]
+    for args, message in cases:
+        result = run_prepare(args, env)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_no_dataset_set_up_is_a_clear_error(checkpoint, isolated_cache):
+    result = run_prepare(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint)],
+                         {"FRONTIER_CACHE_DIR": str(isolated_cache)})
+    assert result.returncode == 1 and "python prepare.py setup --source stdlib" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["setup", "eval-public", "eval"])
+def test_help(command):
+    result = run_prepare([command, "--help"])
+    assert result.returncode == 0 and "--" in result.stdout
