@@ -1127,9 +1127,11 @@ def import_participant_module(path, module_name: str):
         sys.path.insert(0, parent)
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
     try:
         spec.loader.exec_module(module)
     except Exception as e:
+        del sys.modules[module_name]
         raise HarnessError(f"importing {path} failed: {type(e).__name__}: {e}") from e
     return module
 

@@ -1,0 +1,196 @@
+"""train.py on CPU: learning, DDP, checkpoint and load contract, failure paths, budget."""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import prepare
+from helpers import REPO, run_prepare
+
+sys.path.insert(0, str(REPO))
+import train as T  # noqa: E402
+
+TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "128", "--device-batch-size", "8",
+        "--total-batch-size", "1024", "--eval-tokens", "4096", "--log-every", "10", "--device", "cpu"]
+
+
+def run_train(args, env_extra, cwd, torchrun: int = 0, timeout: int = 600):
+    env = dict(os.environ, **env_extra)
+    env["PYTHONPATH"] = str(REPO)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
+        if torchrun else [sys.executable]
+    return subprocess.run([*launcher, str(REPO / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def summary(stdout: str) -> dict:
+    after = stdout.split("\n---\n", 1)[1]
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in after.splitlines() if ":" in line)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, text_dataset):
+    """A tiny model trained for 60 steps on the generated text; shared by several tests."""
+    out = tmp_path_factory.mktemp("trained")
+    result = run_train([*TINY, "--max-steps", "60", "--time-budget", "600", "--out-dir", str(out / "out")],
+                       {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=out)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return out / "out" / "final.pt", result.stdout
+
+
+def _unigram_entropy_nats(dataset) -> float:
+    tok = prepare.ensure_tokenizer(dataset_dir=dataset)
+    counts = collections.Counter()
+    for path in prepare.split_shards("train", dataset):
+        for rg in range(prepare.pq.ParquetFile(path).metadata.num_row_groups):
+            for ids in tok.encode(prepare._row_group_texts(str(path), rg), prepend=tok.get_bos_token_id()):
+                counts.update(ids)
+    total = sum(counts.values())
+    return -sum(c / total * math.log(c / total) for c in counts.values())
+
+
+def test_tiny_model_learns_well_below_unigram_entropy(trained, text_dataset):
+    _, stdout = trained
+    s = summary(stdout)
+    entropy = _unigram_entropy_nats(text_dataset)
+    assert float(s["train_loss"]) < 0.75 * entropy, (s["train_loss"], entropy)
+    assert s["num_steps"] == "60" and s["over_budget"] == "False"
+    assert math.isfinite(float(s["val_bpb"])) and float(s["mfu_percent"]) > 0
+    for key in ("training_seconds", "charged_seconds", "tokens_per_second", "num_params_M", "peak_memory_mb"):
+        assert key in s
+
+
+def test_checkpoint_round_trips_through_load_for_eval_and_eval_public(trained, text_dataset, tmp_path):
+    checkpoint, _ = trained
+    payload = torch.load(checkpoint, weights_only=True)
+    assert payload["format"] == T.CHECKPOINT_FORMAT and payload["config"]["n_layer"] == 2
+    model = T.load_for_eval(str(checkpoint), torch.device("cpu"))
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    x = torch.randint(0, 8000, (2, 64))
+    assert model(x).shape == (2, 64, 8192)
+    result = run_prepare(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint", str(checkpoint),
+                          "--max-tokens", "4096"], {"FRONTIER_DATA_DIR": str(text_dataset)})
+    assert result.returncode == 0, result.stderr
+    assert "causality_passed:        True" in result.stdout
+
+
+def test_checkpoint_of_another_config_is_a_clear_error(trained, tmp_path):
+    checkpoint, _ = trained
+    payload = torch.load(checkpoint, weights_only=True)
+    cases = []
+    deeper = dict(payload, config=dict(payload["config"], n_layer=3))
+    cases.append((deeper, "does not fit this train.py's GPT"))
+    cases.append((dict(payload, config=dict(payload["config"], n_kv_head=1)), "config fields ['n_kv_head']"))
+    cases.append((dict(payload, format="other-kit/7"), "has format 'other-kit/7'"))
+    for k, (bad, message) in enumerate(cases):
+        path = tmp_path / f"bad{k}.pt"
+        torch.save(bad, path)
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            T.load_for_eval(str(path), torch.device("cpu"))
+    result = run_prepare(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint", str(tmp_path / "bad0.pt")])
+    assert result.returncode == 1 and "does not fit this train.py's GPT" in result.stderr
+
+
+def test_torchrun_two_processes(tmp_path, text_dataset):
+    result = run_train([*TINY, "--total-batch-size", "2048", "--max-steps", "4", "--eval-tokens", "0",
+                        "--out-dir", str(tmp_path / "out")], {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path,
+                       torchrun=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.count("\n---\n") == 1  # rank 0 reports
+    s = summary(result.stdout)
+    assert s["device"] == "cpu x 2" and s["num_steps"] == "4"
+    assert (tmp_path / "out" / "final.pt").exists()
+
+
+def test_one_ddp_step_equals_one_single_process_step(tmp_path):
+    script = REPO / "tests" / "fixtures" / "one_step.py"
+    single = subprocess.run([sys.executable, str(script), str(tmp_path / "single.pt")], capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), str(tmp_path / "ddp.pt")], capture_output=True, text=True)
+    assert ddp.returncode == 0, ddp.stderr
+    a, b = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "ddp.pt")
+    for name, g in a["grads"].items():  # the averaged gradient: fp32 rounding relative to its scale
+        assert torch.allclose(g, b["grads"][name], rtol=1e-5, atol=1e-6 * g.abs().max().item()), name
+    for name, w in a["weights"].items():
+        # AdamW divides by sqrt(v) + 1e-10, so an element whose gradient is at the rounding level
+        # moves by rounding noise times the learning rate: compare the elements with a real gradient.
+        g = a["grads"][name]
+        real = g.abs() > 1e-4 * g.abs().max()
+        assert torch.allclose(w[real], b["weights"][name][real], rtol=1e-5, atol=1e-6), name
+        assert (w[real] - a["before"][name][real]).abs().max() > 1e-4, name  # the step moved it
+
+
+def test_injected_nan_stops_cleanly_without_a_checkpoint(tmp_path, text_dataset):
+    result = run_train([*TINY, "--inject-nan-step", "3", "--max-steps", "10", "--out-dir", str(tmp_path / "out")],
+                       {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "training diverged at step 3" in result.stderr and "no checkpoint written" in result.stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_short_budget_is_respected_including_the_save(tmp_path, text_dataset):
+    result = run_train([*TINY, "--time-budget", "20", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
+                       {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = summary(result.stdout)
+    assert s["over_budget"] == "False" and float(s["charged_seconds"]) <= 20.0
+    assert float(s["charged_seconds"]) > 5.0  # it trained for most of the time it had
+    assert (tmp_path / "out" / "final.pt").exists()
+
+
+def test_nki_flag_fails_clearly_off_trainium(tmp_path, text_dataset):
+    result = run_train([*TINY, "--nki-relu2"], {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
+    assert result.returncode == 1 and "--nki-relu2" in result.stderr and "neuron device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_relu2_reference_matches_autograd_in_float64():
+    x = torch.randn(64, 48, dtype=torch.float64)
+    x = torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x).requires_grad_()  # stay off the kink
+    g = torch.randn(64, 48, dtype=torch.float64)
+    y = T.ReLUSquared.apply(x, False)
+    (dx,) = torch.autograd.grad(y, x, g)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = torch.relu(x2) ** 2
+    (dx2,) = torch.autograd.grad(y2, x2, g)
+    assert torch.equal(y, y2) and torch.allclose(dx, dx2, rtol=0, atol=1e-15)
+    assert torch.autograd.gradcheck(lambda t: T.ReLUSquared.apply(t, False), (x,))
+    assert torch.equal(T.relu_squared(x.detach()), torch.relu(x.detach()) ** 2)  # the default path
+
+
+def test_default_model_is_about_59_6M_parameters():
+    with torch.device("meta"):
+        model = T.GPT(T.model_config(T.Hyperparameters()))
+    assert model.num_params() == 59_637_780
+    assert model.config.n_embd == 640 and model.config.n_head == 5
+
+
+def test_importing_train_has_no_side_effects(tmp_path):
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import train; import torch.distributed as d; " \
+           "print(d.is_initialized())"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "False"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_flags_cover_every_hyperparameter_and_presets_apply():
+    hp = T.parse_hyperparameters(["--preset", "cpu", "--depth", "3", "--no-compile", "--matrix-lr", "0.01"])
+    assert hp.depth == 3 and hp.matrix_lr == 0.01 and hp.compile is False
+    assert hp.seq_len == T.PRESETS["cpu"]["seq_len"]
+    assert T.parse_hyperparameters([]) == T.Hyperparameters()
+
+
+def test_schedules():
+    hp = T.Hyperparameters(warmup_ratio=0.1, warmdown_ratio=0.5, final_lr_frac=0.1)
+    assert T.lr_multiplier(0.05, hp) == pytest.approx(0.5)
+    assert T.lr_multiplier(0.3, hp) == 1.0
+    assert T.lr_multiplier(0.75, hp) == pytest.approx(0.55)
+    assert T.lr_multiplier(1.0, hp) == pytest.approx(0.1)
+    assert T.muon_momentum(0.0, hp) == 0.85 and T.muon_momentum(1.0, hp) == 0.95
