@@ -17,6 +17,8 @@ install: $(VENV)/installed
 
 demo: install
 	$(PY) prepare.py setup --source stdlib
+	$(PY) train.py --preset cpu
+	$(PY) prepare.py eval-public --train-py train.py --checkpoint out/final.pt
 
 test: install
 	$(PY) -m pytest -q tests
