@@ -26,6 +26,7 @@ import os
 import queue
 import random
 import re
+import shutil
 import sys
 import sysconfig
 import threading
@@ -303,7 +304,7 @@ _RETRYABLE_HTTP = {408, 425, 429, 500, 502, 503, 504}
 
 def download_file(url: str, dest: Path, validate=None, attempts: int | None = None, backoff: float | None = None,
                   timeout: float | None = None) -> int:
-    """Fetch url to dest. The body goes to a .tmp name, must match Content-Length and pass
+    """Fetch url to dest. The body goes to a .tmp folder, must match Content-Length and pass
     validate(path), and only then is renamed to dest. Returns the byte count; DownloadError after
     the last attempt, naming the file and every failure. Unset limits take the DOWNLOAD_* constants."""
     attempts = DOWNLOAD_ATTEMPTS if attempts is None else attempts
@@ -312,7 +313,9 @@ def download_file(url: str, dest: Path, validate=None, attempts: int | None = No
     dest.parent.mkdir(parents=True, exist_ok=True)
     failures = []
     for attempt in range(1, attempts + 1):
-        tmp = _tmp_name(dest)
+        staging = _tmp_name(dest)  # a private folder, so the file keeps its own name while it is checked
+        staging.mkdir(parents=True, exist_ok=True)
+        tmp = staging / dest.name
         try:
             request = urllib.request.Request(url, headers={"User-Agent": "trainium-frontier-kit"})
             with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -332,10 +335,10 @@ def download_file(url: str, dest: Path, validate=None, attempts: int | None = No
             failures.append(f"attempt {attempt}: HTTP {e.code} {e.reason}")
             if e.code not in _RETRYABLE_HTTP:
                 break
-        except (urllib.error.URLError, http.client.HTTPException, OSError, DownloadError, BadShardError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, HarnessError) as e:
             failures.append(f"attempt {attempt}: {type(e).__name__}: {e}")
         finally:
-            tmp.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
         if attempt < attempts:
             time.sleep(backoff * 2 ** (attempt - 1) * (1 + 0.25 * random.random()))
     raise DownloadError(f"{dest.name}: download failed from {url}\n    " + "\n    ".join(failures))
@@ -1117,11 +1120,10 @@ def evaluate_bpb(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, dev
 
 def import_participant_module(path, module_name: str):
     """Import a participant file by path without running its main(). Its `from prepare import ...`
-    resolves to this trusted module."""
+    resolves to this trusted module (registered as `prepare` when run from the command line)."""
     path = Path(path)
     if not path.is_file():
         raise HarnessError(f"{path}: no such file")
-    sys.modules.setdefault("prepare", sys.modules[__name__])
     parent = str(path.resolve().parent)
     if parent not in sys.path:
         sys.path.insert(0, parent)
@@ -1173,7 +1175,7 @@ def cmd_setup(args) -> int:
     dataset_dir = Path(args.data_dir).expanduser().resolve() if args.data_dir else cache_root() / name
     dataset_dir.mkdir(parents=True, exist_ok=True)
     for stale in dataset_dir.glob("*.tmp"):  # what an interrupted run left
-        stale.unlink()
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     t0 = time.time()
     _log(f"[setup] source {source} -> {dataset_dir}")
     if source == "climbmix":
@@ -1269,6 +1271,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-tokens", type=int, default=EVAL_TOKENS, help="tokens to score (the official count "
                                                                            "is the default)")
         p.set_defaults(func=cmd_eval)
+
+    import core_eval  # the trusted CORE harness (Phase 2)
+    p = sub.add_parser("eval-core", help="score a checkpoint on CORE through the participant's inference.py",
+                       description="CORE (Phase 2): the 22 in-context-learning tasks of the eval bundle, scored "
+                                   "through inference.py, as nanochat computes it.")
+    core_eval.add_arguments(p)
     return parser
 
 
@@ -1282,4 +1290,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("prepare", sys.modules[__name__])  # one copy of the harness, whoever imports it
     sys.exit(main())

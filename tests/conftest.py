@@ -35,3 +35,29 @@ def text_dataset(tmp_path_factory):
 def stdlib_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("stdlib_dataset")
     return _setup(root, ["--source", "stdlib"])
+
+
+TINY_TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "128",
+                   "--device-batch-size", "8", "--total-batch-size", "1024", "--eval-tokens", "4096",
+                   "--log-every", "10", "--device", "cpu"]
+
+
+@pytest.fixture(scope="session")
+def tiny_training(tmp_path_factory, text_dataset):
+    """A tiny model trained for 60 steps on the generated text: (checkpoint path, stdout)."""
+    import os
+    import subprocess
+    import sys
+    from helpers import REPO
+    out = tmp_path_factory.mktemp("trained")
+    env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_TRAIN_ARGS, "--max-steps", "60",
+                             "--time-budget", "600", "--out-dir", str(out / "out")], cwd=out, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return out / "out" / "final.pt", result.stdout
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_training):
+    return tiny_training[0]

@@ -16,8 +16,7 @@ from helpers import REPO, run_prepare
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
 
-TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "128", "--device-batch-size", "8",
-        "--total-batch-size", "1024", "--eval-tokens", "4096", "--log-every", "10", "--device", "cpu"]
+from conftest import TINY_TRAIN_ARGS as TINY
 
 
 def run_train(args, env_extra, cwd, torchrun: int = 0, timeout: int = 600):
@@ -34,14 +33,9 @@ def summary(stdout: str) -> dict:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in after.splitlines() if ":" in line)}
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, text_dataset):
-    """A tiny model trained for 60 steps on the generated text; shared by several tests."""
-    out = tmp_path_factory.mktemp("trained")
-    result = run_train([*TINY, "--max-steps", "60", "--time-budget", "600", "--out-dir", str(out / "out")],
-                       {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=out)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return out / "out" / "final.pt", result.stdout
+@pytest.fixture
+def trained(tiny_training):
+    return tiny_training
 
 
 def _unigram_entropy_nats(dataset) -> float:

@@ -1,0 +1,122 @@
+"""CORE inference throughput of inference.py on this machine: examples per second with examples
+batched across forwards vs one example per forward (nanochat's way), and the projected time for
+the full bundle.
+
+    python benchmarks/core_throughput.py [--checkpoint out/final.pt] [--examples 6]
+
+The real bundle is not needed: each of the 22 CORE tasks is imitated with random words in its real
+shape (type, shots, delimiter, number of choices, rough text lengths), and the projection weights
+each task's measured seconds per example by its real size (about 92K examples in all). Without a
+checkpoint, a freshly initialised CPU-preset model is used (speed does not depend on the weights)."""
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import core_eval as C  # noqa: E402
+import inference  # noqa: E402
+import prepare  # noqa: E402
+import train as T  # noqa: E402
+
+# label, type, shots, delimiter, examples in the real bundle, context words, choices, words per choice
+CORE_TASKS = [
+    ("hellaswag_zeroshot", "multiple_choice", 0, " ", 10042, 40, 4, 20),
+    ("jeopardy", "language_modeling", 10, "\nAnswer: ", 2117, 25, 1, 2),
+    ("bigbench_qa_wikidata", "language_modeling", 10, " ", 20321, 10, 1, 2),
+    ("arc_easy", "multiple_choice", 10, "\nAnswer: ", 2376, 25, 4, 5),
+    ("arc_challenge", "multiple_choice", 10, "\nAnswer: ", 2376, 30, 4, 6),
+    ("copa", "multiple_choice", 0, " ", 100, 10, 2, 8),
+    ("commonsense_qa", "multiple_choice", 10, " ", 1221, 30, 5, 1),
+    ("piqa", "multiple_choice", 10, "\nAnswer: ", 1838, 12, 2, 20),
+    ("openbook_qa", "multiple_choice", 0, " ", 500, 15, 4, 5),
+    ("lambada_openai", "language_modeling", 0, " ", 5153, 70, 1, 1),
+    ("hellaswag", "multiple_choice", 10, " ", 10042, 40, 4, 20),
+    ("winograd", "schema", 0, " ", 273, 12, 2, 8),
+    ("winogrande", "schema", 0, " ", 1267, 15, 2, 8),
+    ("bigbench_dyck_languages", "language_modeling", 10, " ", 1000, 30, 1, 5),
+    ("agi_eval_lsat_ar", "multiple_choice", 3, " ", 230, 200, 5, 1),
+    ("bigbench_cs_algorithms", "language_modeling", 10, " ", 1320, 25, 1, 2),
+    ("bigbench_operators", "language_modeling", 10, " ", 210, 15, 1, 1),
+    ("bigbench_repeat_copy_logic", "language_modeling", 10, " ", 32, 20, 1, 10),
+    ("squad", "language_modeling", 10, " ", 10570, 150, 1, 3),
+    ("coqa", "language_modeling", 0, " ", 7983, 250, 1, 3),
+    ("boolq", "multiple_choice", 10, "\nAnswer: ", 3270, 100, 2, 1),
+    ("bigbench_language_identification", "multiple_choice", 10, " ", 10000, 15, 11, 1),
+]
+WORDS = ("the of and to in is was for on that with as by at from he it his an were are which this be or had "
+         "not but first one their its new after who they have her she two been other when there all during into "
+         "school time may years more most only over city some world would where later up such used many can "
+         "state about national out known university united then made").split()
+
+
+def imitation(task_type, context_words, choices, choice_words, n, rng):
+    def words(k):
+        return " ".join(rng.choice(WORDS) for _ in range(max(1, k)))
+    if task_type == "multiple_choice":
+        return [{"query": words(context_words), "choices": [words(choice_words) for _ in range(choices)],
+                 "gold": rng.randrange(choices)} for _ in range(n)]
+    if task_type == "schema":
+        return [{"context_options": [words(context_words) for _ in range(choices)], "continuation": words(choice_words),
+                 "gold": rng.randrange(choices)} for _ in range(n)]
+    return [{"context": words(context_words), "continuation": words(choice_words)} for _ in range(n)]
+
+
+def seconds_per_example(scorer, tokenizer, task, data, per_call):
+    label, task_type, shots, delim = task[:4]
+    t = C.Task(label, task_type, shots, delim, "", 0.0)
+    t0 = time.time()
+    for lo in range(0, len(data), per_call):
+        requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len)
+                    for i in range(lo, min(lo + per_call, len(data)))]
+        C.checked_scores(scorer, [s for r in requests for s in r.sequences])
+    return (time.time() - t0) / len(data)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--examples", type=int, default=6, help="imitated examples per task and mode")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device or prepare.detect_device_type())
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        hp = T.parse_hyperparameters(["--preset", "cpu"])
+        model = T.GPT(T.model_config(hp))
+        model.init_weights()
+        checkpoint = os.path.join(tempfile.mkdtemp(), "final.pt")
+        T.save_checkpoint(Path(checkpoint), model, {})
+    scorer = inference.load_scorer(checkpoint, device)
+    tokenizer = prepare.ensure_tokenizer()
+    rng = random.Random(0)
+    totals = {1: 0.0, C.EXAMPLES_PER_CALL: 0.0}
+    measured = {1: 0.0, C.EXAMPLES_PER_CALL: 0.0}
+    count = 0
+    print(f"model: {scorer.model.num_params() / 1e6:.1f}M parameters, max_seq_len {scorer.max_seq_len}, device {device}")
+    for task in CORE_TASKS:
+        data = imitation(task[1], task[5], task[6], task[7], max(args.examples, task[2] + 2), rng)
+        row = []
+        for per_call in (1, C.EXAMPLES_PER_CALL):
+            s = seconds_per_example(scorer, tokenizer, task, data, per_call)
+            totals[per_call] += s * task[4]
+            measured[per_call] += s * len(data)
+            row.append(s)
+        count += len(data)
+        print(f"{task[0]:<34} {task[4]:>6} examples | one per forward {1 / row[0]:7.2f} ex/s | "
+              f"batched {1 / row[1]:7.2f} ex/s | x{row[0] / row[1]:.2f}")
+    print("---")
+    print(f"examples_measured:            {count} per mode")
+    print(f"examples_per_second_single:   {count / measured[1]:.2f}")
+    print(f"examples_per_second_batched:  {count / measured[C.EXAMPLES_PER_CALL]:.2f}")
+    print(f"projected_full_bundle_single:  {totals[1] / 3600:.2f} h")
+    print(f"projected_full_bundle_batched: {totals[C.EXAMPLES_PER_CALL] / 3600:.2f} h")
+
+
+if __name__ == "__main__":
+    main()

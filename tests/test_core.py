@@ -1,0 +1,258 @@
+"""The CORE harness: exact semantics on a synthetic bundle, the toy scorer, errors, downloads."""
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import random
+import threading
+import zipfile
+
+import pytest
+
+import core_eval as C
+import prepare
+from core_bundle import expected_core, make_bundle
+from helpers import REPO, run_prepare, shipped_tokenizer
+
+TOY = REPO / "tests" / "fixtures" / "toy_inference.py"
+
+
+# --- prompts ----------------------------------------------------------------------------------
+
+def test_multiple_choice_prompts_are_rendered_exactly():
+    shots = [{"query": "Q1", "choices": ["a", "b"], "gold": 1}, {"query": "Q2", "choices": ["c", "d"], "gold": 0}]
+    item = {"query": "Q3", "choices": ["x", "y z"], "gold": 0}
+    assert C.render_multiple_choice(item, " ", shots) == ["Q1 b\n\nQ2 c\n\nQ3 x", "Q1 b\n\nQ2 c\n\nQ3 y z"]
+    assert C.render_multiple_choice(item, "\nAnswer: ", []) == ["Q3\nAnswer: x", "Q3\nAnswer: y z"]
+
+
+def test_schema_prompts_are_rendered_exactly():
+    shots = [{"context_options": ["A1", "A2"], "continuation": "then", "gold": 1}]
+    item = {"context_options": ["B1", "B2 "], "continuation": "now.", "gold": 0}
+    assert C.render_schema(item, " ", shots) == ["A2 then\n\nB1 now.", "A2 then\n\nB2  now."]
+    assert C.render_schema(item, "\nAnswer: ", []) == ["B1\nAnswer: now.", "B2 \nAnswer: now."]
+
+
+def test_language_modelling_prompts_strip_contexts_and_the_prompt_without():
+    shots = [{"context": " c1  ", "continuation": "k1"}]
+    item = {"context": "\tctx2 \n", "continuation": "ans"}
+    assert C.render_language_modeling(item, " ", shots) == ["c1 k1\n\nctx2", "c1 k1\n\nctx2 ans"]
+    assert C.render_language_modeling(item, "\nAnswer: ", []) == ["ctx2\nAnswer:", "ctx2\nAnswer: ans"]
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+def test_shuffle_then_cap():
+    data = list(range(50))
+    expected = list(range(50))
+    random.Random(1337).shuffle(expected)
+    assert C.shuffled_and_capped(data, -1) == expected
+    assert C.shuffled_and_capped(data, 7) == expected[:7]
+    assert data == list(range(50))  # the input is untouched
+
+
+def test_fewshot_indices_reproduce_the_seed_and_exclude_the_example():
+    for n, k in ((10, 3), (25, 10), (4, 3)):
+        for idx in range(n):
+            got = C.fewshot_indices(idx, n, k)
+            assert got == random.Random(1234 + idx).sample([i for i in range(n) if i != idx], k)
+            assert idx not in got and len(set(got)) == k
+    assert C.fewshot_indices(3, 10, 0) == []
+
+
+# --- scored regions ---------------------------------------------------------------------------
+
+def test_scored_regions_on_hand_checked_tokens():
+    mc = [[1, 5, 6, 7, 8], [1, 5, 6, 9], [1, 5, 6, 7, 2, 3]]
+    assert C.scored_regions("multiple_choice", mc) == (mc, [3, 3, 3], [5, 4, 6])
+    schema = [[1, 4, 4, 8, 9], [1, 5, 8, 9], [1, 6, 6, 6, 8, 9]]
+    assert C.scored_regions("schema", schema) == (schema, [3, 2, 4], [5, 4, 6])
+    assert C.scored_regions("language_modeling", [[1, 2, 3], [1, 2, 3, 4, 5]]) == ([[1, 2, 3, 4, 5]], [3], [5])
+    with pytest.raises(C.CoreError, match="prefix"):
+        C.scored_regions("language_modeling", [[1, 2, 3], [1, 2, 4, 5]])
+
+
+def test_truncation_keeps_the_last_tokens_and_shifts_the_region():
+    assert C.truncate_left(list(range(10)), 7, 10, 6) == ([4, 5, 6, 7, 8, 9], 3, 6)
+    assert C.truncate_left(list(range(10)), 7, 10, None) == (list(range(10)), 7, 10)
+    with pytest.raises(C.CoreError, match="max_seq_len"):
+        C.truncate_left(list(range(10)), 2, 10, 5)
+
+
+def test_decisions():
+    import torch
+    req = C.Request([[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2], [4, 4], gold=1)
+    losses_a, losses_b = torch.tensor([9.0, 1.0, 1.0]), torch.tensor([9.0, 0.5, 1.0])
+    g = torch.zeros(3, dtype=torch.long)
+    assert C.is_correct("multiple_choice", req, [(losses_a, g), (losses_b, g)])
+    assert not C.is_correct("multiple_choice", req, [(losses_b, g), (losses_b, g)])  # ties go to the first
+    lm = C.Request([[1, 2, 3, 4]], [2], [4], gold=None)
+    assert C.is_correct("language_modeling", lm, [(losses_a, torch.tensor([0, 3, 4]))])
+    assert not C.is_correct("language_modeling", lm, [(losses_a, torch.tensor([0, 3, 5]))])
+
+
+def test_centering():
+    assert C.centered_accuracy(0.25, 25.0) == 0.0
+    assert C.centered_accuracy(1.0, 62.0) == pytest.approx(1.0)
+    assert C.centered_accuracy(0.0, 50.0) == pytest.approx(-1.0)
+    assert C.centered_accuracy(0.3, 0.0) == pytest.approx(0.3)
+
+
+# --- end to end with the toy scorer -------------------------------------------------------------
+
+def _eval_core(args, env):
+    return run_prepare(["eval-core", *args], env)
+
+
+def test_toy_scorer_gets_exactly_the_expected_accuracies_and_core(tmp_path, text_dataset):
+    bundle = make_bundle(tmp_path)
+    ckpt = tmp_path / "final.pt"
+    ckpt.write_bytes(b"the toy ignores it")
+    result = _eval_core(["--inference-py", str(TOY), "--checkpoint", str(ckpt), "--bundle-dir", str(bundle),
+                         "--verify", "0", "--examples-per-call", "3"], {"FRONTIER_DATA_DIR": str(text_dataset)})
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "core_report.json").read_text())
+    accuracies, core = expected_core()
+    assert {k: v["accuracy"] for k, v in report["tasks"].items()} == accuracies
+    assert report["core"] == pytest.approx(core, abs=1e-12)
+    assert f"core:                {core:.4f}" in result.stdout
+    assert report["official"] is True and report["checkpoint_sha256"] == prepare.sha256_file(ckpt)
+    assert len(report["inference_py_sha256"]) == 64
+    for label in accuracies:
+        assert f"{label:<34} accuracy:" in result.stdout
+
+
+def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("toy", TOY)
+    toy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(toy)
+    root = C.bundle_root(make_bundle(tmp_path))
+    tasks = C.load_tasks(root)
+    assert [t.delimiter for t in tasks] == [" ", "\nAnswer: ", " ", " ", "\nAnswer: "]
+    one, many = toy.load_scorer(None, None), toy.load_scorer(None, None)
+    tok = prepare.ensure_tokenizer()
+    a = C.evaluate_core(one, tok, root, tasks, examples_per_call=1, log=lambda m: None)
+    b = C.evaluate_core(many, tok, root, tasks, examples_per_call=256, log=lambda m: None)
+    assert a["core"] == b["core"] == expected_core()[1]
+    assert one.calls == sum(t[5] for t in __import__("core_bundle").TASKS) and many.calls == len(tasks)
+    capped = C.evaluate_core(many, tok, root, tasks[:1], max_per_task=4, log=lambda m: None)
+    assert capped["tasks"]["mc_plain"]["examples"] == 4
+
+
+# --- clear errors -------------------------------------------------------------------------------
+
+def test_clear_errors(tmp_path, text_dataset):
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    ckpt = tmp_path / "final.pt"
+    ckpt.write_bytes(b"x")
+    good = make_bundle(tmp_path / "good")
+    bad_line = make_bundle(tmp_path / "badline")
+    with open(bad_line / "eval_data" / "synthetic" / "lm_plain.jsonl", "a") as f:
+        f.write('{"context": "no continuation field"}\n')
+    bad_type = make_bundle(tmp_path / "badtype")
+    (bad_type / "core.yaml").write_text((bad_type / "core.yaml").read_text().replace("schema\n", "ranking\n", 1))
+    no_iface = tmp_path / "no_iface.py"
+    no_iface.write_text("def score(x):\n    return x\n")
+    base = ["--inference-py", str(TOY), "--checkpoint", str(ckpt), "--verify", "0"]
+    cases = [
+        (["--bundle-dir", str(tmp_path / "nothing")] + base, "no CORE bundle at"),
+        (["--bundle-dir", str(bad_line)] + base, "lm_plain.jsonl:9: a language_modeling example needs"),
+        (["--bundle-dir", str(bad_type)] + base, "icl_task_type 'ranking'"),
+        (["--bundle-dir", str(good), "--inference-py", str(no_iface), "--checkpoint", str(ckpt)],
+         "defines no load_scorer"),
+        (["--bundle-dir", str(good), "--inference-py", str(REPO / "inference.py"), "--checkpoint", str(ckpt)],
+         "load_scorer could not load"),
+        (["--bundle-dir", str(good), "--tasks", "mc_plain,nope"] + base, "--tasks: unknown ['nope']"),
+    ]
+    (tmp_path / "nothing").mkdir()
+    for args, message in cases:
+        result = _eval_core(args, env)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    broken_json = make_bundle(tmp_path / "badjson")
+    with open(broken_json / "eval_data" / "synthetic" / "mc_plain.jsonl", "a") as f:
+        f.write("{not json\n")
+    result = _eval_core(["--bundle-dir", str(broken_json)] + base, env)
+    assert result.returncode == 1 and "mc_plain.jsonl:9: not valid JSON" in result.stderr
+
+
+# --- the bundle download ------------------------------------------------------------------------
+
+def _serve(payload: bytes):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}/eval_bundle.zip"
+
+
+def _zipped_bundle(tmp_path) -> bytes:
+    bundle = make_bundle(tmp_path / "src")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for p in sorted(bundle.rglob("*")):
+            z.write(p, p.relative_to(bundle.parent))
+    return buf.getvalue()
+
+
+def test_bundle_download_is_verified_and_unpacked_atomically(tmp_path, isolated_cache):
+    payload = _zipped_bundle(tmp_path)
+    httpd, url = _serve(payload)
+    try:
+        with pytest.raises(C.CoreError, match="pinned bundle is 00"):
+            C.ensure_bundle(url=url, sha256="00" * 32)
+        assert not (isolated_cache / "eval_bundle").exists()  # nothing unpacked from an unverified archive
+        (isolated_cache / "eval_bundle.zip").unlink()
+        import hashlib
+        root = C.ensure_bundle(url=url, sha256=hashlib.sha256(payload).hexdigest())
+    finally:
+        httpd.shutdown()
+    assert root == isolated_cache / "eval_bundle" and (root / "core.yaml").is_file()
+    assert [t.label for t in C.load_tasks(root)][0] == "mc_plain"
+    assert not list(isolated_cache.glob("*.tmp"))
+    assert C.ensure_bundle() == root  # cached: no network needed
+
+
+def test_a_download_that_is_not_a_zip_fails_clearly(tmp_path, isolated_cache, monkeypatch):
+    monkeypatch.setattr(prepare, "DOWNLOAD_BACKOFF_SECONDS", 0.01)
+    httpd, url = _serve(b"<html>not found</html>")
+    try:
+        with pytest.raises(prepare.DownloadError, match="eval_bundle.zip: download failed"):
+            C.ensure_bundle(url=url)
+    finally:
+        httpd.shutdown()
+    assert not (isolated_cache / "eval_bundle.zip").exists()
+
+
+# --- the real inference.py ------------------------------------------------------------------------
+
+def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path, text_dataset, tiny_checkpoint):
+    bundle = make_bundle(tmp_path)
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    result = _eval_core(["--inference-py", str(REPO / "inference.py"), "--checkpoint", str(tiny_checkpoint),
+                         "--bundle-dir", str(bundle), "--verify", "4", "--report", str(tmp_path / "r.json")], env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verify"]["sequences"] == 4 and report["verify"]["max_abs_loss_diff"] < 0.05
+    assert -1.0 <= report["core"] <= 1.0 and report["train_py_sha256"] == prepare.sha256_file(REPO / "train.py")
+
+    cheat = tmp_path / "cheat_inference.py"  # scores something other than the trained model
+    cheat.write_text("import sys\nsys.path.insert(0, %r)\nimport inference\n\n"
+                     "class Off(inference.Scorer):\n    def score(self, seqs):\n"
+                     "        return [(l * 0.5, g) for l, g in super().score(seqs)]\n\n"
+                     "def load_scorer(path, device):\n    s = inference.load_scorer(path, device)\n"
+                     "    return Off(s.model, s.device)\n" % str(REPO))
+    result = _eval_core(["--inference-py", str(cheat), "--checkpoint", str(tiny_checkpoint), "--train-py",
+                         str(REPO / "train.py"), "--bundle-dir", str(bundle), "--verify", "2"], env)
+    assert result.returncode == 1 and "must score the trained model" in result.stderr
