@@ -74,7 +74,10 @@ class Hyperparameters:
     device: str = ""  # neuron, cuda or cpu; empty: the fastest present
     dtype: str = "auto"  # compute dtype of matmuls: auto (bf16 where the device is fast at it), bf16, fp32
     compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
-    nki_relu2: bool = False  # the MLP activation as an NKI kernel (neuron device only)
+    nki_relu2: bool = False  # the MLP activation as the inline NKI kernel below (neuron device only)
+    nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
+    nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
+    nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
     out_dir: str = "out"
     log_every: int = 10  # print a progress line every this many steps
     inject_nan_step: int = -1  # test hook: make the loss NaN at this step, to exercise the failure path
@@ -240,7 +243,7 @@ except ImportError:
 
 NKI_PARTITIONS = 128  # rows per tile: the SBUF partition count
 NKI_MAX_FREE = 8192  # columns per tile: 8 bytes per element in flight, well under 224 KiB per partition
-KERNELS = {"relu2": False}  # which ops run as NKI kernels on the neuron device (set by main from flags)
+KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors; filled from the --nki-* flags
 
 if HAS_NKI:
     @nki.jit
@@ -327,13 +330,37 @@ def notice_once(message: str) -> None:
         print0(f"notice: {message}")
 
 
+def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
+    if nki_fits(x):
+        return ReLUSquared.apply(x, True)
+    notice_once(f"relu2: shape {tuple(x.shape)} {x.dtype} does not fit the NKI kernel; using PyTorch")
+    return relu2_forward_reference(x)
+
+
+def enable_kernels(hp: Hyperparameters) -> None:
+    """Route the ops named by the --nki-* flags to their kernels (for tensors on the neuron device)."""
+    if hp.nki_relu2:
+        KERNELS["relu2"] = relu_squared_nki
+    if hp.nki_rmsnorm:
+        import kernels.rmsnorm
+        KERNELS["rmsnorm"] = kernels.rmsnorm.rms_norm
+    if hp.nki_rope_qknorm:
+        import kernels.rope_qknorm
+        KERNELS["rope_qknorm"] = kernels.rope_qknorm.rope_qknorm
+    if hp.nki_softcap_ce:
+        import kernels.softcap_ce
+        KERNELS["softcap_ce"] = kernels.softcap_ce.softcap_cross_entropy
+
+
+def on_kernel(name: str, x: torch.Tensor):
+    """The NKI implementation of op `name` if it is enabled and x lives on the neuron device."""
+    return KERNELS.get(name) if x.device.type == "neuron" else None
+
+
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """The MLP activation. With --nki-relu2 on the neuron device it runs as the NKI kernel pair."""
-    if KERNELS["relu2"] and x.device.type == "neuron":
-        if nki_fits(x):
-            return ReLUSquared.apply(x, True)
-        notice_once(f"relu2: shape {tuple(x.shape)} {x.dtype} does not fit the NKI kernel; using PyTorch")
-    return F.relu(x).square()
+    kernel = on_kernel("relu2", x)
+    return kernel(x) if kernel else F.relu(x).square()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -360,7 +387,8 @@ def model_config(hp: Hyperparameters, vocab_size: int = TOKENIZER_VOCAB_SIZE) ->
 
 def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without a learned scale."""
-    return F.rms_norm(x, (x.size(-1),))
+    kernel = on_kernel("rmsnorm", x)
+    return kernel(x) if kernel else F.rms_norm(x, (x.size(-1),))
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,6 +405,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(x.dtype)
 
 
+def rope_qknorm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, then QK-norm (x is [B, T, H, D])."""
+    kernel = on_kernel("rope_qknorm", x)
+    return kernel(x, cos, sin) if kernel else norm(apply_rotary(x, cos, sin))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -391,7 +425,7 @@ class CausalSelfAttention(nn.Module):
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
-        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # QK-norm
+        q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -472,6 +506,9 @@ class GPT(nn.Module):
                 x = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos, sin)
             logits = self.lm_head(norm(x))
         cap = self.config.logit_softcap
+        kernel = on_kernel("softcap_ce", logits)
+        if targets is not None and kernel:
+            return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
         logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:
             return logits
@@ -724,11 +761,13 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 def main(argv=None) -> int:
     hp = parse_hyperparameters(argv)
     device_type = hp.device or detect_device_type()
-    if hp.nki_relu2 and not (device_type == "neuron" and HAS_NKI):
-        raise SystemExit(f"error: --nki-relu2 runs an NKI kernel, which needs the neuron device and the nki "
+    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(hp) if f.name.startswith("nki_")
+             and getattr(hp, f.name)]
+    if flags and not (device_type == "neuron" and HAS_NKI):
+        raise SystemExit(f"error: {' '.join(flags)} run NKI kernels, which need the neuron device and the nki "
                          f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
                          "Drop the flag here, or run on a Trainium machine.")
-    KERNELS["relu2"] = hp.nki_relu2
+    enable_kernels(hp)
     profile = device_profile(device_type, hp.dtype)
     device, rank, world_size = init_distributed(profile)
     torch.manual_seed(hp.seed)
