@@ -1,0 +1,105 @@
+"""autoresearch/: the loop end to end in a temporary git repository, on CPU with a tiny budget."""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TINY_TRAIN_ARGS
+from helpers import REPO
+
+KIT_FILES = ["prepare.py", "train.py", "core_eval.py", ".gitignore", "tokenizer", "kernels", "autoresearch/loop.py",
+             "autoresearch/run.sh", "autoresearch/program.md"]
+FROZEN = {f"\n    {name}: float = {value} ": f"\n    {name}: float = 0.0 " for name, value in
+          (("embedding_lr", 0.6), ("unembedding_lr", 0.004), ("matrix_lr", 0.04), ("scalar_lr", 0.5))}
+
+
+def git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def edit_and_commit(repo, replacements: dict, message: str):
+    path = repo / "train.py"
+    text = path.read_text()
+    for old, new in replacements.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    git(repo, "commit", "-qam", message)
+    return git(repo, "rev-parse", "--short=7", "HEAD")
+
+
+@pytest.fixture
+def kit_repo(tmp_path):
+    repo = tmp_path / "kit"
+    for name in KIT_FILES:
+        src, dst = REPO / name, repo / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() else shutil.copy2(src, dst)
+    git(repo, "init", "-q", "-b", "autoresearch/test")
+    git(repo, "config", "user.email", "test@example.com")
+    git(repo, "config", "user.name", "test")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "kit")
+    return repo
+
+
+def run_loop(repo, dataset, *extra, timeout=300):
+    train_args = " ".join(a for a in TINY_TRAIN_ARGS if a not in ("--eval-tokens", "4096"))
+    env = dict(os.environ, FRONTIER_DATA_DIR=str(dataset), PYTHON=sys.executable)
+    return subprocess.run(["bash", str(repo / "autoresearch" / "run.sh"), "--budget", "12", "--eval-tokens", "8192",
+                           "--device", "cpu", "--train-args", train_args, *extra], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(repo):
+    with open(repo / "autoresearch" / "results.tsv", newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def test_keep_discard_crash_and_timeout(kit_repo, text_dataset):
+    frozen = edit_and_commit(kit_repo, FROZEN, "baseline with frozen weights")
+    assert run_loop(kit_repo, text_dataset, "--timeout", "120").returncode == 0
+    better = edit_and_commit(kit_repo, {v: k for k, v in FROZEN.items()}, "learn")
+    assert run_loop(kit_repo, text_dataset, "--timeout", "120").returncode == 0
+    worse = edit_and_commit(kit_repo, FROZEN, "freeze again")
+    result = run_loop(kit_repo, text_dataset, "--timeout", "120")
+    assert result.returncode == 0 and "discarded" in result.stdout
+    assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better  # the branch keeps the better commit
+
+    broken = edit_and_commit(kit_repo, {"def main(argv=None) -> int:": "def main(argv=None) -> int\n"}, "syntax error")
+    result = run_loop(kit_repo, text_dataset, "--timeout", "120")
+    assert result.returncode == 0 and "CRASH" in result.stdout and "SyntaxError" in result.stdout
+    slow = edit_and_commit(kit_repo, {"    hp = parse_hyperparameters(argv)\n":
+                                      "    hp = parse_hyperparameters(argv)\n    time.sleep(120)\n"}, "hangs")
+    result = run_loop(kit_repo, text_dataset, "--timeout", "10")
+    assert result.returncode == 0 and "timeout: killed after 10s" in result.stdout
+    assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better
+
+    r = rows(kit_repo)
+    assert [x["commit"] for x in r] == [frozen, better, worse, broken, slow]
+    assert [x["status"] for x in r] == ["keep", "keep", "discard", "crash", "crash"]
+    assert float(r[1]["val_bpb"]) < float(r[0]["val_bpb"]) < float(r[0]["val_bpb"]) + 1
+    assert float(r[2]["val_bpb"]) > float(r[1]["val_bpb"])
+    assert r[3]["val_bpb"] == r[4]["val_bpb"] == "0.000000"
+    assert "syntax error [train.py exited with 1;" in r[3]["description"]
+    assert float(r[1]["memory_gb"]) > 0
+    crash_dirs = sorted((kit_repo / "autoresearch" / "runs").glob(f"*-{broken}"))
+    assert "SyntaxError" in (crash_dirs[0] / "crash.txt").read_text()
+
+    png = kit_repo / "autoresearch" / "progress.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    assert matplotlib.image.imread(png).shape[2] in (3, 4)
+    assert git(kit_repo, "status", "--porcelain") == ""  # results, runs and the plot are ignored by git
+
+
+def test_uncommitted_changes_are_refused(kit_repo, text_dataset):
+    (kit_repo / "train.py").write_text((kit_repo / "train.py").read_text() + "\n# edited\n")
+    result = run_loop(kit_repo, text_dataset)
+    assert result.returncode == 1 and "commit the experiment first" in result.stderr
+    assert not (kit_repo / "autoresearch" / "results.tsv").exists()
