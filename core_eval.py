@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from prepare import (HarnessError, atomic_write_json, cache_root, detect_device_type, download_file,
-                     ensure_tokenizer, import_participant_module, load_participant_model, sha256_file)
+from prepare import (HarnessError, atomic_write_json, cache_root, call_participant_loader, detect_device_type,
+                     download_file, ensure_tokenizer, load_participant_model, sha256_file)
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 # The organisers publish the bundle's SHA-256 when they pin it; set it here or in
@@ -291,20 +291,11 @@ def centered_accuracy(accuracy: float, random_baseline_percent: float) -> float:
 #       greedy  int   [n - 1]: argmax over the vocabulary for position t + 1
 
 def load_scorer(inference_py, checkpoint, device):
-    module = import_participant_module(inference_py, "participant_inference")
-    hook = getattr(module, "load_scorer", None)
-    if not callable(hook):
-        raise CoreError(f"{inference_py} defines no load_scorer(checkpoint_path, device); the CORE scorer calls it "
-                        "(see the README, 'Phase 2: CORE')")
-    if not Path(checkpoint).is_file():
-        raise CoreError(f"checkpoint {checkpoint}: no such file")
-    try:
-        scorer = hook(str(checkpoint), torch.device(device))
-    except Exception as e:
-        raise CoreError(f"load_scorer could not load {checkpoint}: {type(e).__name__}: {e}") from e
+    scorer = call_participant_loader(inference_py, "participant_inference", "load_scorer", checkpoint, device,
+                                     "the CORE scorer calls it (see the README, 'Phase 2: CORE')")
     if not callable(getattr(scorer, "score", None)):
         raise CoreError(f"load_scorer returned {type(scorer).__name__}, which has no score(sequences) method")
-    return scorer, module
+    return scorer
 
 
 def checked_scores(scorer, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -401,7 +392,7 @@ def cmd_eval_core(args) -> int:
             raise CoreError(f"--tasks: unknown {unknown}; the bundle has {[t.label for t in tasks]}")
         tasks = [t for t in tasks if t.label in wanted]
     tokenizer = ensure_tokenizer()
-    scorer, _ = load_scorer(inference_py, args.checkpoint, device)
+    scorer = load_scorer(inference_py, args.checkpoint, device)
     verification = None
     if args.verify > 0:
         verification = verify_against_train_py(scorer, train_py, args.checkpoint, device, tokenizer, root, tasks,

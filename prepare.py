@@ -1138,19 +1138,26 @@ def import_participant_module(path, module_name: str):
     return module
 
 
-def load_participant_model(train_py, checkpoint, device) -> torch.nn.Module:
-    """train_py's load_for_eval(checkpoint, device), checked against the load contract."""
-    module = import_participant_module(train_py, "participant_train")
-    hook = getattr(module, "load_for_eval", None)
+def call_participant_loader(path, module_name: str, hook_name: str, checkpoint, device, why: str):
+    """`hook_name(checkpoint, device)` from the participant file at path, with clear errors for a
+    missing file, a missing hook, a missing checkpoint and a checkpoint the hook cannot load."""
+    module = import_participant_module(path, module_name)
+    hook = getattr(module, hook_name, None)
     if not callable(hook):
-        raise HarnessError(f"{train_py} defines no load_for_eval(checkpoint_path, device); the scorer loads the "
-                           "model through it (see the README, 'Load contract')")
+        raise HarnessError(f"{path} defines no {hook_name}(checkpoint_path, device); {why}")
     if not Path(checkpoint).is_file():
         raise HarnessError(f"checkpoint {checkpoint}: no such file")
     try:
-        model = hook(str(checkpoint), torch.device(device))
+        return hook(str(checkpoint), torch.device(device))
     except Exception as e:
-        raise HarnessError(f"load_for_eval could not load {checkpoint}: {type(e).__name__}: {e}") from e
+        raise HarnessError(f"{hook_name} could not load {checkpoint}: {type(e).__name__}: {e}") from e
+
+
+def load_participant_model(train_py, checkpoint, device) -> torch.nn.Module:
+    """train_py's load_for_eval(checkpoint, device), checked against the load contract."""
+    model = call_participant_loader(train_py, "participant_train", "load_for_eval", checkpoint, device,
+                                    "the scorer loads the model through it (see the README, 'The metric and the "
+                                    "load contract')")
     if not isinstance(model, torch.nn.Module):
         raise HarnessError(f"load_for_eval returned {type(model).__name__}, expected a torch.nn.Module")
     if model.training:

@@ -98,11 +98,12 @@ def parse_hyperparameters(argv=None) -> Hyperparameters:
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="small-machine settings")
     for f in dataclasses.fields(Hyperparameters):
-        flag = "--" + f.name.replace("_", "-")
+        flag, help_text = "--" + f.name.replace("_", "-"), f"default: {f.default!r} (see Hyperparameters)"
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[str(f.type)], default=None)
+            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[str(f.type)], default=None,
+                                help=help_text)
     args = parser.parse_args(argv)
     values = dict(PRESETS[args.preset]) if args.preset else {}
     values.update({k: v for k, v in vars(args).items() if v is not None and k != "preset"})

@@ -45,9 +45,21 @@ def rope_qknorm_backward_reference(x, cos, sin, grad, eps: float) -> torch.Tenso
 
 
 if HAS_NKI:
-    def _rotate_and_norm(x_tile, cos_t, sin_t, heads, d, eps, z, rstd):
-        """Into z [P, H*D] (fp32) and rstd [P, H] (fp32): each head rotated, and its 1/rms."""
-        half = d // 2
+    def _rotated_tile(x, cos, sin, r0, heads, eps):
+        """Load rows r0..r0+127 of x and rotate each head; returns (z [P, H*D] fp32, rstd [P, H]
+        fp32: each head's 1/rms). A helper traced into the kernels that call it (no @nki.jit)."""
+        width = x.shape[1]
+        T, half = cos.shape
+        d = 2 * half
+        t0 = r0 % T  # a tile's 128 rows are 128 consecutive positions of one sequence
+        x_tile = nl.ndarray((PARTITIONS, width), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_tile, src=x[r0:r0 + PARTITIONS])
+        cos_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=cos_t, src=cos[t0:t0 + PARTITIONS])
+        sin_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sin_t, src=sin[t0:t0 + PARTITIONS])
+        z = nl.ndarray((PARTITIONS, width), dtype=nl.float32, buffer=nl.sbuf)
+        rstd = nl.ndarray((PARTITIONS, heads), dtype=nl.float32, buffer=nl.sbuf)
         tmp = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
         sq = nl.ndarray((PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
         ms = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -65,26 +77,17 @@ if HAS_NKI:
             nisa.tensor_scalar(dst=ms, data=ms, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
             nisa.reciprocal(dst=ms, data=ms)
             nisa.activation(dst=rstd[:, h:h + 1], op=nl.sqrt, data=ms)
+        return z, rstd, cos_t, sin_t
 
     @nki.jit
     def rope_qknorm_forward_kernel(x, cos, sin, heads, eps):
         """y [N, H*D] for x [N, H*D] (rows = (batch, position)), cos, sin [T, D/2]; T % 128 == 0."""
         n, width = x.shape
-        T, half = cos.shape
-        d = 2 * half
+        d = 2 * cos.shape[1]
         y = nl.ndarray((n, width), dtype=x.dtype, buffer=nl.shared_hbm)
         for i in nl.affine_range(n // PARTITIONS):
             r0 = i * PARTITIONS
-            t0 = r0 % T
-            x_tile = nl.ndarray((PARTITIONS, width), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r0:r0 + PARTITIONS])
-            cos_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=cos_t, src=cos[t0:t0 + PARTITIONS])
-            sin_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=sin_t, src=sin[t0:t0 + PARTITIONS])
-            z = nl.ndarray((PARTITIONS, width), dtype=nl.float32, buffer=nl.sbuf)
-            rstd = nl.ndarray((PARTITIONS, heads), dtype=nl.float32, buffer=nl.sbuf)
-            _rotate_and_norm(x_tile, cos_t, sin_t, heads, d, eps, z, rstd)
+            z, rstd, _, _ = _rotated_tile(x, cos, sin, r0, heads, eps)
             y_tile = nl.ndarray((PARTITIONS, width), dtype=x.dtype, buffer=nl.sbuf)
             for h in range(heads):
                 nisa.tensor_scalar(dst=y_tile[:, h * d:(h + 1) * d], data=z[:, h * d:(h + 1) * d],
@@ -96,23 +99,14 @@ if HAS_NKI:
     def rope_qknorm_backward_kernel(x, cos, sin, grad, heads, eps):
         """dx [N, H*D] for x, grad [N, H*D], cos, sin [T, D/2]; T % 128 == 0."""
         n, width = x.shape
-        T, half = cos.shape
+        half = cos.shape[1]
         d = 2 * half
         dx = nl.ndarray((n, width), dtype=x.dtype, buffer=nl.shared_hbm)
         for i in nl.affine_range(n // PARTITIONS):
             r0 = i * PARTITIONS
-            t0 = r0 % T
-            x_tile = nl.ndarray((PARTITIONS, width), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r0:r0 + PARTITIONS])
+            z, rstd, cos_t, sin_t = _rotated_tile(x, cos, sin, r0, heads, eps)
             g_tile = nl.ndarray((PARTITIONS, width), dtype=grad.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=g_tile, src=grad[r0:r0 + PARTITIONS])
-            cos_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=cos_t, src=cos[t0:t0 + PARTITIONS])
-            sin_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=sin_t, src=sin[t0:t0 + PARTITIONS])
-            z = nl.ndarray((PARTITIONS, width), dtype=nl.float32, buffer=nl.sbuf)
-            rstd = nl.ndarray((PARTITIONS, heads), dtype=nl.float32, buffer=nl.sbuf)
-            _rotate_and_norm(x_tile, cos_t, sin_t, heads, d, eps, z, rstd)
             gf = nl.ndarray((PARTITIONS, width), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=gf, src=g_tile)
             work = nl.ndarray((PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)

@@ -44,20 +44,30 @@ def softcap_ce_backward_reference(logits, targets, lse, grad_loss, cap: float) -
 
 
 if HAS_NKI:
+    def _load_rows(logits, targets, r0):
+        """Rows r0..r0+127 of the logits and their targets, in SBUF (a helper traced into the kernels)."""
+        raw = nl.ndarray((PARTITIONS, logits.shape[1]), dtype=logits.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=raw, src=logits[r0:r0 + PARTITIONS])
+        target = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=target, src=targets[r0:r0 + PARTITIONS])
+        return raw, target
+
+    def _column_ids(v):
+        """0..v-1 along the free dimension of every partition, fp32 (compared with the targets)."""
+        columns = nl.ndarray((PARTITIONS, v), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=columns, pattern=[[1, v]], offset=0, channel_multiplier=0)
+        return columns
+
     @nki.jit
     def softcap_ce_forward_kernel(logits, targets, cap):
         """loss, lse [N, 1] fp32 for logits [N, V] and targets [N, 1] (fp32) in HBM."""
         n, v = logits.shape
         loss = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.shared_hbm)
         lse_out = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-        columns = nl.ndarray((PARTITIONS, v), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=columns, pattern=[[1, v]], offset=0, channel_multiplier=0)  # 0..V-1 on every row
+        columns = _column_ids(v)
         for i in nl.affine_range(n // PARTITIONS):
             r0 = i * PARTITIONS
-            raw = nl.ndarray((PARTITIONS, v), dtype=logits.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=raw, src=logits[r0:r0 + PARTITIONS])
-            target = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=target, src=targets[r0:r0 + PARTITIONS])
+            raw, target = _load_rows(logits, targets, r0)
             z = nl.ndarray((PARTITIONS, v), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=z, op=nl.tanh, data=raw, scale=1.0 / cap)
             nisa.tensor_scalar(dst=z, data=z, op0=nl.multiply, operand0=cap)  # z = cap * tanh(logits / cap)
@@ -88,14 +98,10 @@ if HAS_NKI:
         """dlogits [N, V] for logits [N, V], targets, lse, grad_loss [N, 1] (fp32) in HBM."""
         n, v = logits.shape
         dlogits = nl.ndarray((n, v), dtype=logits.dtype, buffer=nl.shared_hbm)
-        columns = nl.ndarray((PARTITIONS, v), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=columns, pattern=[[1, v]], offset=0, channel_multiplier=0)
+        columns = _column_ids(v)
         for i in nl.affine_range(n // PARTITIONS):
             r0 = i * PARTITIONS
-            raw = nl.ndarray((PARTITIONS, v), dtype=logits.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=raw, src=logits[r0:r0 + PARTITIONS])
-            target = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=target, src=targets[r0:r0 + PARTITIONS])
+            raw, target = _load_rows(logits, targets, r0)
             row_lse = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=row_lse, src=lse[r0:r0 + PARTITIONS])
             g = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
