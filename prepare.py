@@ -222,13 +222,16 @@ def active_dataset_dir() -> Path:
         path = Path(env).expanduser()
         if not (path / "manifest.json").exists():
             raise DataError(f"FRONTIER_DATA_DIR={env} holds no prepared dataset (no manifest.json). "
-                            "Run `python prepare.py setup --data-dir {env}` first, or unset it.")
+                            f"Run `python prepare.py setup --data-dir {env}` first, or unset it.")
         return path
     marker = cache_root() / "active.json"
     if not marker.exists():
         raise DataError(f"No dataset is set up ({marker} does not exist). Run `python prepare.py setup` "
                         "(ClimbMix, needs the network) or `python prepare.py setup --source stdlib` (offline).")
-    path = Path(json.loads(marker.read_text())["dataset_dir"])
+    try:
+        path = Path(json.loads(marker.read_text())["dataset_dir"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{marker} is corrupt ({e}). Run `python prepare.py setup` again.")
     if not (path / "manifest.json").exists():
         raise DataError(f"The active dataset {path} (from {marker}) is missing or incomplete. "
                         "Run `python prepare.py setup` again.")

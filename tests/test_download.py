@@ -153,3 +153,16 @@ def test_shard_without_text_column_is_rejected(tmp_path):
     pq.write_table(pa.table({"content": ["a", "b"]}), path)
     with pytest.raises(prepare.BadShardError, match="no 'text' column"):
         prepare.check_shard(path)
+
+
+def test_climbmix_tokenizer_build_needs_the_pinned_shards(isolated_cache, shard_files, capsys):
+    server = FaultyServer(shard_files, {})
+    try:
+        base = ["setup", "--source", "climbmix", "--num-train-shards", "3", "--base-url", server.url]
+        assert prepare.main(base) == 1
+        assert "none is shipped for 'climbmix'" in capsys.readouterr().err
+        assert prepare.main(base + ["--build-tokenizer-if-missing"]) == 1
+        err = capsys.readouterr().err
+    finally:
+        server.close()
+    assert "needs train shards 0..7; missing [3, 4, 5, 6, 7]" in err and "--num-train-shards 8" in err
