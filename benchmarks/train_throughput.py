@@ -2,6 +2,7 @@
 
     python benchmarks/train_throughput.py --preset cpu                 # bf16 and fp32, compiled
     python benchmarks/train_throughput.py --device cuda --steps 20     # the default depth-10 config on a GPU
+    python benchmarks/train_throughput.py --preset cpu --aspect-ratio 128   # any train.py flag changes the config
 
 Steps run on random tokens (throughput does not depend on the text), after warm-up steps that
 include compilation. MFU = model FLOPs per token x tokens/s / peak, where the peak is a large bf16
@@ -60,8 +61,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
-    args = parser.parse_args()
-    hp = T.parse_hyperparameters(["--preset", args.preset] if args.preset else [])
+    args, train_flags = parser.parse_known_args()  # other flags go to train.py: --depth 6, --aspect-ratio 128, ...
+    hp = T.parse_hyperparameters((["--preset", args.preset] if args.preset else []) + train_flags)
     if args.compile is not None:
         hp.compile = args.compile
     device_type = args.device or T.detect_device_type()
