@@ -3,6 +3,7 @@ CORE, the trusted side: the eval bundle, prompts, tokenization, scored regions, 
 scores, exactly as nanochat computes the DCLM CORE metric. Driven from the command line:
 
     python prepare.py eval-core --inference-py inference.py --checkpoint out/final.pt
+    torchrun --standalone --nproc_per_node=8 prepare.py eval-core ...   # examples strided over 8 ranks
 
 The participant's inference.py only turns token sequences into per-position losses and greedy
 predictions (see load_scorer below); everything that depends on the task happens here.
@@ -34,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from prepare import (HarnessError, atomic_write_json, cache_root, call_participant_loader, detect_device_type,
-                     download_file, ensure_tokenizer, load_participant_model, sha256_file)
+                     download_file, ensure_tokenizer, get_dist_info, load_participant_model, sha256_file)
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 # The organisers publish the bundle's SHA-256 when they pin it; set it here or in
@@ -327,7 +329,9 @@ def trusted_losses(model, seq: list[int], device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 def evaluate_core(scorer, tokenizer, root: Path, tasks: list[Task], max_per_task: int = -1,
-                  examples_per_call: int = EXAMPLES_PER_CALL, log=print) -> dict:
+                  examples_per_call: int = EXAMPLES_PER_CALL, log=print, rank: int = 0, world_size: int = 1) -> dict:
+    """Accuracy, centered accuracy and time per task, and CORE. Under torchrun each rank scores
+    every world_size-th example (as nanochat strides them) and the counts are summed."""
     max_len = getattr(scorer, "max_seq_len", None)
     results, total_t0 = {}, time.time()
     for task in tasks:
@@ -335,16 +339,19 @@ def evaluate_core(scorer, tokenizer, root: Path, tasks: list[Task], max_per_task
         data = shuffled_and_capped(load_examples(root, task), max_per_task)
         if len(data) <= task.num_fewshot:
             raise CoreError(f"task {task.label!r} has {len(data)} examples, too few for {task.num_fewshot} shots")
+        mine = list(range(rank, len(data), world_size))
         correct = 0
-        for lo in range(0, len(data), examples_per_call):
-            requests = [build_request(task, data, i, tokenizer, max_len)
-                        for i in range(lo, min(lo + examples_per_call, len(data)))]
-            flat = [s for r in requests for s in r.sequences]
-            scored = checked_scores(scorer, flat)
+        for lo in range(0, len(mine), examples_per_call):
+            requests = [build_request(task, data, i, tokenizer, max_len) for i in mine[lo:lo + examples_per_call]]
+            scored = checked_scores(scorer, [s for r in requests for s in r.sequences])
             k = 0
             for r in requests:
                 correct += is_correct(task.task_type, r, scored[k:k + len(r.sequences)])
                 k += len(r.sequences)
+        if world_size > 1:
+            total = torch.tensor([correct], dtype=torch.long)
+            dist.all_reduce(total)
+            correct = int(total.item())
         accuracy = correct / len(data)
         centered = centered_accuracy(accuracy, task.random_baseline)
         seconds = time.time() - t0
@@ -355,7 +362,7 @@ def evaluate_core(scorer, tokenizer, root: Path, tasks: list[Task], max_per_task
             f"examples: {len(data):>5} | time: {seconds:.2f}s")
     core = sum(r["centered"] for r in results.values()) / len(results)
     return {"core": core, "tasks": results, "seconds": time.time() - total_t0,
-            "examples": sum(r["examples"] for r in results.values())}
+            "examples": sum(r["examples"] for r in results.values()), "world_size": world_size}
 
 
 def verify_against_train_py(scorer, train_py, checkpoint, device, tokenizer, root: Path, tasks: list[Task],
@@ -379,11 +386,29 @@ def verify_against_train_py(scorer, train_py, checkpoint, device, tokenizer, roo
     return {"sequences": checked, "max_abs_loss_diff": worst, "tolerance": VERIFY_TOLERANCE}
 
 
+def scoring_device(device_type: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device(device_type)
+
+
 def cmd_eval_core(args) -> int:
-    device = torch.device(args.device or detect_device_type())
+    ddp, rank, local_rank, world_size = get_dist_info()
+    if ddp:
+        dist.init_process_group("gloo")  # only the per-task counts travel between ranks
+    try:
+        return run_eval_core(args, rank, local_rank, world_size)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
+    device = scoring_device(args.device or detect_device_type(), local_rank)
     inference_py = Path(args.inference_py)
     train_py = Path(args.train_py) if args.train_py else inference_py.resolve().parent / "train.py"
-    root = ensure_bundle(args.bundle_dir, args.bundle_url)
+    root = ensure_bundle(args.bundle_dir, args.bundle_url) if rank == 0 else None
+    if world_size > 1:
+        dist.barrier()  # rank 0 downloads and unpacks; the others then find it in the cache
+    root = root or ensure_bundle(args.bundle_dir, args.bundle_url)
     tasks = load_tasks(root)
     if args.tasks:
         wanted = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -397,10 +422,13 @@ def cmd_eval_core(args) -> int:
     if args.verify > 0:
         verification = verify_against_train_py(scorer, train_py, args.checkpoint, device, tokenizer, root, tasks,
                                                args.verify)
-    print(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples each, "
-          f"device {device}", flush=True)
-    report = evaluate_core(scorer, tokenizer, root, tasks, args.max_per_task, args.examples_per_call,
-                           log=lambda m: print(m, flush=True))
+    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    say(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples each, "
+        f"device {device} x {world_size}")
+    report = evaluate_core(scorer, tokenizer, root, tasks, args.max_per_task, args.examples_per_call, log=say,
+                           rank=rank, world_size=world_size)
+    if rank != 0:
+        return 0
     official = len(tasks) == len(load_tasks(root)) and args.max_per_task <= 0
     report.update({"official": official, "baselines": "bundle eval_meta_data.csv (CORE v1)",
                    "max_per_task": args.max_per_task, "device": str(device), "bundle": str(root),

@@ -4,7 +4,10 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import zipfile
 
@@ -121,6 +124,23 @@ def test_toy_scorer_gets_exactly_the_expected_accuracies_and_core(tmp_path, text
     assert len(report["inference_py_sha256"]) == 64
     for label in accuracies:
         assert f"{label:<34} accuracy:" in result.stdout
+
+
+def test_torchrun_strides_examples_over_ranks(tmp_path, text_dataset):
+    bundle = make_bundle(tmp_path)
+    ckpt = tmp_path / "final.pt"
+    ckpt.write_bytes(b"the toy ignores it")
+    env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "prepare.py"), "eval-core", "--inference-py", str(TOY), "--checkpoint",
+                             str(ckpt), "--bundle-dir", str(bundle), "--verify", "0"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "core_report.json").read_text())
+    accuracies, core = expected_core()
+    assert report["world_size"] == 2 and report["core"] == pytest.approx(core, abs=1e-12)
+    assert {k: v["accuracy"] for k, v in report["tasks"].items()} == accuracies
+    assert result.stdout.count("core:") == 1
 
 
 def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, monkeypatch):
