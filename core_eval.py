@@ -270,7 +270,7 @@ def is_correct(task_type: str, request: Request, scored: list[tuple[torch.Tensor
     """scored[i] = (losses, greedy) of sequence i: losses[t] = -log p(seq[t+1] | seq[:t+1]),
     greedy[t] = the argmax prediction for seq[t+1]."""
     if task_type == "language_modeling":
-        (losses, greedy), seq = scored[0], request.sequences[0]
+        (_, greedy), seq = scored[0], request.sequences[0]
         s, e = request.starts[0], request.ends[0]
         return bool(torch.equal(greedy[s - 1:e - 1], torch.tensor(seq[s:e], dtype=greedy.dtype)))
     mean_losses = [losses[s - 1:e - 1].float().mean().item()

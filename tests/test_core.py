@@ -16,7 +16,7 @@ import pytest
 import core_eval as C
 import prepare
 from core_bundle import expected_core, make_bundle
-from helpers import REPO, run_prepare, shipped_tokenizer
+from helpers import REPO, run_prepare
 
 TOY = REPO / "tests" / "fixtures" / "toy_inference.py"
 
