@@ -14,7 +14,8 @@ The interface (all the harness calls):
 The harness hands over all sequences of many examples at once (every choice of every example in
 the chunk); this scorer sorts them by length, pads each batch on the right to a bucketed length
 (a causal model's positions never see the padding) and runs as many rows per forward as fit in
-MAX_BATCH_TOKENS.
+MAX_BATCH_TOKENS. The largest lever left: the choices of one example share a long few-shot
+prefix, which this scorer computes once per choice; a KV cache in the model would compute it once.
 """
 from __future__ import annotations
 
