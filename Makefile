@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 
 $(VENV)/installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
