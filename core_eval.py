@@ -371,19 +371,19 @@ def verify_against_train_py(scorer, train_py, checkpoint, device, tokenizer, roo
     must agree (inference.py must score the model that was trained)."""
     model = load_participant_model(train_py, checkpoint, device)
     max_len = getattr(scorer, "max_seq_len", None)
-    worst, checked = 0.0, 0
+    data = {t.label: shuffled_and_capped(load_examples(root, t), -1) for t in tasks[:count]}
+    worst = 0.0
     for j in range(count):
         task = tasks[j % len(tasks)]
-        data = shuffled_and_capped(load_examples(root, task), -1)
-        seq = build_request(task, data, (7 * j) % len(data), tokenizer, max_len).sequences[0]
+        examples = data[task.label]
+        seq = build_request(task, examples, (7 * j) % len(examples), tokenizer, max_len).sequences[0]
         theirs = checked_scores(scorer, [seq])[0][0]
         ours = trusted_losses(model, seq, device)
         worst = max(worst, (theirs - ours).abs().max().item())
-        checked += 1
     if worst > VERIFY_TOLERANCE:
         raise CoreError(f"inference.py's losses differ from {train_py}'s load_for_eval by up to {worst:.3f} nats "
                         f"(tolerance {VERIFY_TOLERANCE}): the inference path must score the trained model")
-    return {"sequences": checked, "max_abs_loss_diff": worst, "tolerance": VERIFY_TOLERANCE}
+    return {"sequences": count, "max_abs_loss_diff": worst, "tolerance": VERIFY_TOLERANCE}
 
 
 def scoring_device(device_type: str, local_rank: int) -> torch.device:
