@@ -20,6 +20,7 @@ import bisect
 import hashlib
 import http.client
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -61,7 +62,7 @@ def _phase_from_env() -> int:
 COMPETITION_PHASE = _phase_from_env()
 TRAIN_TIME_BUDGET_SECONDS = PHASE_BUDGET_SECONDS[COMPETITION_PHASE]
 TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS = 900  # imports, compilation, first steps: not charged, up to this
-TRAIN_STARTUP_STEPS_EXCLUDED = 2  # the first steps (compilation) count as start-up
+TRAIN_STARTUP_STEPS_EXCLUDED = 5  # the first five optimizer steps (compilation, warm-up) count as start-up
 EVAL_TIMEOUT_SECONDS = 1200  # the scorer's limit for evaluate_bpb
 EVAL_SEQ_LEN = 1024  # the scorer's evaluation context, whatever the model trained with
 EVAL_TOKENS = 20 * 2**20  # scored tokens per evaluation (fewer if the shard holds fewer)
@@ -870,19 +871,23 @@ def _batched(rows, batch_size: int, max_rows: int | None = None):
 def make_dataloader(tokenizer: Tokenizer, batch_size: int, seq_len: int, split: str, device, *, seed: int = 0,
                     buffer_size: int = 1000, prefetch: int = 4, tokenizer_threads: int = 4,
                     tokenizer_batch_size: int = 128, shard_ids=None, rank: int | None = None,
-                    world_size: int | None = None):
+                    world_size: int | None = None, start_batch: int = 0):
     """Endless iterator of (inputs, targets, state) on `device`: int64 [batch_size, seq_len] each,
     targets = inputs shifted by one. Rows are BOS-aligned and best-fit packed with no padding; each
     DDP rank reads a disjoint set of row groups. Deterministic for the same data, seed and world
     size. A background thread reads, tokenizes and packs ahead of the training step. `state` holds
-    `epoch` (of the newest documents used) and `batches` (yielded so far)."""
+    `epoch` (of the newest documents used) and `batches` (yielded so far, counting skipped ones).
+    start_batch=N resumes a run: the first N batches are produced and dropped, so batch N+1 is
+    exactly the one an uninterrupted run would see next."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+    if start_batch < 0:
+        raise ValueError(f"start_batch must be >= 0, got {start_batch}")
     if rank is None or world_size is None:
         _, rank, _, world_size = get_dist_info()
     doc_batches = _document_batches(split, rank, world_size, tokenizer_batch_size, shard_ids, seed)
     rows = _pack_rows(_tokenized_documents(doc_batches, tokenizer, tokenizer_threads), seq_len + 1, buffer_size)
-    batches = _batched(rows, batch_size)
+    batches = itertools.islice(_batched(rows, batch_size), start_batch, None)
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
     stop = threading.Event()
 
@@ -909,7 +914,7 @@ def make_dataloader(tokenizer: Tokenizer, batch_size: int, seq_len: int, split: 
     atexit.register(shutdown)
     device = torch.device(device)
     pin = device.type == "cuda"
-    count = 0
+    count = start_batch
     try:
         while True:
             item = ready.get()
@@ -947,18 +952,57 @@ def process_start_time() -> float:
 
 _IMPORT_TIME = time.time()
 _PROCESS_START = process_start_time()
-_LEDGER = {"startup_end": None, "last_step": None}
+
+
+def _fresh_ledger() -> dict:
+    return {"startup_end": None, "last_step": None, "first_step": 0, "carried_seconds": 0.0, "step_ends": []}
+
+
+_LEDGER = _fresh_ledger()
+
+
+class BudgetError(HarnessError):
+    """The ledger was called out of order (steps must arrive consecutively)."""
+
+
+def resume_ledger(next_step: int, charged_seconds: float) -> None:
+    """Continue the ledger of an earlier process of the same run (a resumed run): the next call
+    is record_step_boundary(next_step), and charged_seconds of that process already count. The
+    resumed process gets its own start-up allowance (it compiles again), under the same rule."""
+    if _LEDGER["last_step"] is not None:
+        raise BudgetError("resume_ledger must be called before the first record_step_boundary")
+    if not isinstance(next_step, int) or next_step < 0 or not charged_seconds >= 0:
+        raise BudgetError(f"resume_ledger needs a step >= 0 and charged seconds >= 0, got {next_step!r}, "
+                          f"{charged_seconds!r}")
+    _LEDGER.update(first_step=next_step, carried_seconds=float(charged_seconds))
 
 
 def record_step_boundary(step: int) -> dict:
-    """Call after each optimizer step (step counts from 0). Returns budget_status()."""
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    """Call after each optimizer step. Steps count from 0 (or from the step given to
+    resume_ledger) and must arrive consecutively. Returns budget_status()."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise BudgetError(f"step must be a non-negative int, got {step!r}")
+    expected = _LEDGER["first_step"] if _LEDGER["last_step"] is None else _LEDGER["last_step"] + 1
+    if step != expected:
+        raise BudgetError(f"record_step_boundary({step}): steps must arrive consecutively from "
+                          f"{_LEDGER['first_step']}, one call after each optimizer step; expected step {expected}")
     now = time.time()
-    if _LEDGER["startup_end"] is None and step >= TRAIN_STARTUP_STEPS_EXCLUDED - 1:
+    if _LEDGER["startup_end"] is None and step - _LEDGER["first_step"] >= TRAIN_STARTUP_STEPS_EXCLUDED - 1:
         _LEDGER["startup_end"] = now
     _LEDGER["last_step"] = step
+    _LEDGER["step_ends"].append(now)
     return budget_status(now=now)
+
+
+def median_step_seconds() -> float | None:
+    """Median duration of the steps after start-up (None before there is one): printed beside the
+    start-up seconds, so a start-up step far longer than the others is visible."""
+    ends = _LEDGER["step_ends"][TRAIN_STARTUP_STEPS_EXCLUDED - 1:]
+    durations = sorted(b - a for a, b in zip(ends, ends[1:]))
+    if not durations:
+        return None
+    mid = len(durations) // 2
+    return durations[mid] if len(durations) % 2 else 0.5 * (durations[mid - 1] + durations[mid])
 
 
 def budget_status(budget_seconds: float = TRAIN_TIME_BUDGET_SECONDS, now: float | None = None) -> dict:
@@ -968,11 +1012,12 @@ def budget_status(budget_seconds: float = TRAIN_TIME_BUDGET_SECONDS, now: float 
     elapsed = now - _PROCESS_START
     startup = (_LEDGER["startup_end"] - _PROCESS_START) if _LEDGER["startup_end"] is not None else elapsed
     allowance = min(startup, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)
-    charged = elapsed - allowance
+    charged = _LEDGER["carried_seconds"] + elapsed - allowance
     return {"elapsed_seconds": elapsed, "startup_seconds": startup, "startup_allowance_seconds": allowance,
             "startup_complete": _LEDGER["startup_end"] is not None, "charged_seconds": charged,
-            "budget_seconds": budget_seconds, "remaining_seconds": budget_seconds - charged,
-            "over_budget": charged > budget_seconds, "last_step": _LEDGER["last_step"]}
+            "carried_seconds": _LEDGER["carried_seconds"], "budget_seconds": budget_seconds,
+            "remaining_seconds": budget_seconds - charged, "over_budget": charged > budget_seconds,
+            "last_step": _LEDGER["last_step"]}
 
 
 def charged_seconds() -> float:

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prepare import (EVAL_SEQ_LEN, EVAL_TOKENS, TOKENIZER_VOCAB_SIZE, TRAIN_TIME_BUDGET_SECONDS, HarnessError,
+from prepare import (EVAL_SEQ_LEN, EVAL_TOKENS, TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_STEPS_EXCLUDED,
+                     TRAIN_TIME_BUDGET_SECONDS, HarnessError,
                      budget_status, detect_device_type, ensure_tokenizer, evaluate_bpb, get_dist_info,
                      make_dataloader, print0, record_step_boundary)
 
@@ -854,7 +855,7 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
         return 0
 
     # Timed steps only: the start-up steps include compilation and warm-up.
-    timed = step_times[2:] or step_times
+    timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:] or step_times
     tok_per_sec = hp.total_batch_size * len(timed) / sum(timed)
     mfu = 100 * flops_per_token * tok_per_sec / (profile.peak_flops * world_size)
     result = None

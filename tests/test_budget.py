@@ -17,37 +17,75 @@ def clock(monkeypatch):
     """A fake clock: the process started at t=1000."""
     now = {"t": 1000.0}
     monkeypatch.setattr(prepare, "_PROCESS_START", 1000.0)
-    monkeypatch.setattr(prepare, "_LEDGER", {"startup_end": None, "last_step": None})
+    monkeypatch.setattr(prepare, "_LEDGER", prepare._fresh_ledger())
     monkeypatch.setattr(prepare.time, "time", lambda: now["t"])
     return now
 
 
 def test_constants():
-    assert prepare.TRAIN_STARTUP_STEPS_EXCLUDED == 2 and prepare.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS == 900
+    assert prepare.TRAIN_STARTUP_STEPS_EXCLUDED == 5 and prepare.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS == 900
     assert prepare.EVAL_TIMEOUT_SECONDS == 1200 and prepare.TOKENIZER_VOCAB_SIZE == 8192
 
 
-def test_startup_until_end_of_step_one_is_not_charged(clock):
-    clock["t"] = 1100.0
-    s = prepare.record_step_boundary(0)
-    assert not s["startup_complete"] and s["charged_seconds"] == 0.0
+def test_startup_until_the_end_of_step_four_is_not_charged(clock):
+    for step in range(4):
+        clock["t"] = 1100.0 + 10 * step
+        s = prepare.record_step_boundary(step)
+        assert not s["startup_complete"] and s["charged_seconds"] == 0.0
     clock["t"] = 1300.0
-    s = prepare.record_step_boundary(1)  # end of step TRAIN_STARTUP_STEPS_EXCLUDED - 1
+    s = prepare.record_step_boundary(4)  # the end of step TRAIN_STARTUP_STEPS_EXCLUDED - 1: the clock starts
     assert s["startup_complete"] and s["startup_allowance_seconds"] == 300.0 and s["charged_seconds"] == 0.0
     clock["t"] = 1300.0 + 1800.0
-    s = prepare.record_step_boundary(500)
+    s = prepare.record_step_boundary(5)
     assert s["charged_seconds"] == 1800.0 and not s["over_budget"]
     clock["t"] += 0.5
     assert prepare.budget_status()["over_budget"] and prepare.charged_seconds() == 1800.5
 
 
+def _steps(clock, first, last, seconds):
+    for step in range(first, last + 1):
+        clock["t"] += seconds
+        prepare.record_step_boundary(step)
+
+
 def test_startup_allowance_is_capped(clock):
-    clock["t"] = 1000.0 + 1000.0
-    prepare.record_step_boundary(0)
-    prepare.record_step_boundary(1)
+    clock["t"] = 1000.0 + 995.0
+    _steps(clock, 0, 4, 1.0)
     s = prepare.budget_status()
     assert s["startup_allowance_seconds"] == 900.0 and s["charged_seconds"] == 100.0
     assert s["remaining_seconds"] == prepare.TRAIN_TIME_BUDGET_SECONDS - 100.0
+
+
+def test_steps_must_arrive_consecutively_from_zero(clock):
+    with pytest.raises(prepare.BudgetError, match="expected step 0"):
+        prepare.record_step_boundary(3)
+    prepare.record_step_boundary(0)
+    for bad in (0, 2, 7):
+        with pytest.raises(prepare.BudgetError, match="consecutively.*expected step 1"):
+            prepare.record_step_boundary(bad)
+    prepare.record_step_boundary(1)
+
+
+def test_median_step_seconds_sits_beside_an_oversized_startup(clock):
+    clock["t"] = 1000.0 + 600.0  # a first step that trains for 10 minutes, uncharged
+    prepare.record_step_boundary(0)
+    assert prepare.median_step_seconds() is None
+    _steps(clock, 1, 4, 1.0)
+    _steps(clock, 5, 9, 2.0)
+    assert prepare.median_step_seconds() == 2.0
+    assert prepare.budget_status()["startup_seconds"] == 604.0
+
+
+def test_a_resumed_run_carries_its_charged_time_and_step(clock):
+    prepare.resume_ledger(100, 250.0)
+    with pytest.raises(prepare.BudgetError, match="expected step 100"):
+        prepare.record_step_boundary(0)
+    clock["t"] = 1000.0 + 30.0
+    _steps(clock, 100, 104, 1.0)  # the resumed process's own start-up: 35 s, not charged
+    clock["t"] += 10.0
+    assert prepare.budget_status()["charged_seconds"] == 260.0
+    with pytest.raises(prepare.BudgetError, match="before the first"):
+        prepare.resume_ledger(5, 0.0)
 
 
 def test_before_startup_ends_only_time_beyond_the_cap_is_charged(clock):
@@ -56,15 +94,16 @@ def test_before_startup_ends_only_time_beyond_the_cap_is_charged(clock):
 
 
 def test_a_custom_budget(clock):
-    clock["t"] = 1000.0 + 20.0
-    prepare.record_step_boundary(1)
+    clock["t"] = 1000.0 + 15.0
+    _steps(clock, 0, 4, 1.0)
     clock["t"] += 301.0
     assert prepare.budget_status(budget_seconds=300)["over_budget"]
 
 
 def test_bad_step_is_rejected(clock):
-    with pytest.raises(ValueError):
-        prepare.record_step_boundary(-1)
+    for bad in (-1, 1.0, True, "0"):
+        with pytest.raises(prepare.BudgetError, match="non-negative int"):
+            prepare.record_step_boundary(bad)
 
 
 def test_process_start_is_before_import():
