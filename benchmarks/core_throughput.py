@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import core_eval as C  # noqa: E402
 import inference  # noqa: E402
 import prepare  # noqa: E402
 import train as T  # noqa: E402
+from harness import core as C  # noqa: E402
 
 # label, type, shots, delimiter, examples in the real bundle, context words, choices, words per choice
 CORE_TASKS = [
@@ -74,7 +74,7 @@ def seconds_per_example(scorer, tokenizer, task, data, per_call):
     for lo in range(0, len(data), per_call):
         requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len)
                     for i in range(lo, min(lo + per_call, len(data)))]
-        C.checked_scores(scorer, [s for r in requests for s in r.sequences])
+        scorer.score([s for r in requests for s in r.sequences])
     return (time.time() - t0) / len(data)
 
 

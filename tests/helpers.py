@@ -109,8 +109,70 @@ class PeekModel(nn.Module):
         return logits
 
 
+class PeekExceptAtFixedCuts(PeekModel):
+    """Peeks at every position except the three cut points the old check used (1, T/2, T-1)."""
+
+    def __init__(self, vocab: int, seq_len: int):
+        super().__init__(vocab)
+        self.honest = [1, seq_len // 2, seq_len - 1]
+
+    def forward(self, idx):
+        logits = super().forward(idx)
+        for c in self.honest:
+            logits[:, c - 1] = 0.0
+        return logits
+
+
+class PeekAfterWarmup(PeekModel):
+    """Honest (uniform) in its first forwards, when the old check ran; peeks afterwards."""
+
+    def __init__(self, vocab: int, warmup: int):
+        super().__init__(vocab)
+        self.calls, self.warmup = 0, warmup
+
+    def forward(self, idx):
+        self.calls += 1
+        return super().forward(idx) if self.calls > self.warmup else torch.zeros(*idx.shape, self.vocab)
+
+
+class PeekOnRealText(PeekModel):
+    """Peeks only on rows that repeat a token, as real text does and random token rows almost never do."""
+
+    def forward(self, idx):
+        logits = super().forward(idx)
+        for b in range(idx.shape[0]):
+            if len(set(idx[b].tolist())) > 0.9 * idx.shape[1]:
+                logits[b] = 0.0
+        return logits
+
+
+class PeekWithHugeSpecialLogit(PeekModel):
+    """Peeks, and puts -1e7 on a special token that is never scored (max |logits| would be 1e7)."""
+
+    def forward(self, idx):
+        logits = super().forward(idx)
+        logits[..., self.vocab - 1] = -1e7
+        return logits
+
+
+class LogitsSubclass(torch.Tensor):
+    """A tensor that would intercept the functions a harness calls on it."""
+
+
+class SubclassModel(UniformModel):
+    def forward(self, idx):
+        return super().forward(idx).as_subclass(LogitsSubclass)
+
+
+class NoisyModel(UniformModel):
+    """Different log-probs every call: not a pure function."""
+
+    def forward(self, idx):
+        return torch.rand(*idx.shape, self.vocab)
+
+
 class BatchMixModel(nn.Module):
-    """Row outputs depend on the other rows of the batch."""
+    """Row outputs depend on the other rows of the batch: each row favours its neighbour's tokens."""
 
     def __init__(self, vocab: int):
         super().__init__()
@@ -118,7 +180,7 @@ class BatchMixModel(nn.Module):
 
     def forward(self, idx):
         logits = torch.zeros(*idx.shape, self.vocab)
-        return logits + idx.float().mean(dim=0, keepdim=True).unsqueeze(-1) / 1000
+        return logits.scatter(2, torch.roll(idx, 1, dims=0).unsqueeze(-1), 1.0)
 
 
 class BatchSizeModel(nn.Module):
@@ -129,7 +191,9 @@ class BatchSizeModel(nn.Module):
         self.vocab = vocab
 
     def forward(self, idx):
-        return torch.zeros(*idx.shape, self.vocab) + float(idx.shape[0])
+        logits = torch.zeros(*idx.shape, self.vocab)
+        logits[..., 0::2] = float(idx.shape[0])
+        return logits
 
 
 class NaNModel(UniformModel):

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY_TRAIN_ARGS
 from helpers import REPO
 
-KIT_FILES = ["prepare.py", "train.py", "core_eval.py", ".gitignore", "tokenizer", "kernels", "autoresearch/loop.py",
+KIT_FILES = ["prepare.py", "harness", "train.py", ".gitignore", "tokenizer", "kernels", "autoresearch/loop.py",
              "autoresearch/run.sh", "autoresearch/program.md"]
 FROZEN = {f"\n    {name}: float = {value} ": f"\n    {name}: float = 0.0 " for name, value in
           (("embedding_lr", 0.6), ("unembedding_lr", 0.004), ("matrix_lr", 0.04), ("scalar_lr", 0.5))}

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import prepare
+from harness import ledger
 from helpers import REPO
 
 
@@ -16,9 +17,9 @@ from helpers import REPO
 def clock(monkeypatch):
     """A fake clock: the process started at t=1000."""
     now = {"t": 1000.0}
-    monkeypatch.setattr(prepare, "_PROCESS_START", 1000.0)
-    monkeypatch.setattr(prepare, "_LEDGER", prepare._fresh_ledger())
-    monkeypatch.setattr(prepare.time, "time", lambda: now["t"])
+    monkeypatch.setattr(ledger, "_PROCESS_START", 1000.0)
+    monkeypatch.setattr(ledger, "_LEDGER", ledger._fresh_ledger())
+    monkeypatch.setattr(ledger.time, "time", lambda: now["t"])
     return now
 
 
@@ -107,8 +108,8 @@ def test_bad_step_is_rejected(clock):
 
 
 def test_process_start_is_before_import():
-    start = prepare.process_start_time()
-    assert start <= prepare._IMPORT_TIME <= time.time()
+    start = ledger.process_start_time()
+    assert start <= ledger._IMPORT_TIME <= time.time()
     assert time.time() - start < 24 * 3600
 
 

@@ -13,8 +13,9 @@ import zipfile
 
 import pytest
 
-import core_eval as C
 import prepare
+from harness import core as C
+from harness import download
 from core_bundle import expected_core, make_bundle
 from helpers import REPO, run_prepare
 
@@ -113,14 +114,16 @@ def test_toy_scorer_gets_exactly_the_expected_accuracies_and_core(tmp_path, text
     ckpt = tmp_path / "final.pt"
     ckpt.write_bytes(b"the toy ignores it")
     result = _eval_core(["--inference-py", str(TOY), "--checkpoint", str(ckpt), "--bundle-dir", str(bundle),
-                         "--verify", "0", "--examples-per-call", "3"], {"FRONTIER_DATA_DIR": str(text_dataset)})
+                         "--verify-fraction", "0", "--examples-per-call", "3"], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "core_report.json").read_text())
     accuracies, core = expected_core()
     assert {k: v["accuracy"] for k, v in report["tasks"].items()} == accuracies
     assert report["core"] == pytest.approx(core, abs=1e-12)
     assert f"core:                {core:.4f}" in result.stdout
-    assert report["official"] is True and report["checkpoint_sha256"] == prepare.sha256_file(ckpt)
+    assert report["official"] is False and report["checkpoint_sha256"] == prepare.sha256_file(ckpt)
+    assert any("local bundle folder" in r for r in report["not_official_because"])
+    assert any("verification is off" in r for r in report["not_official_because"])
     assert len(report["inference_py_sha256"]) == 64
     for label in accuracies:
         assert f"{label:<34} accuracy:" in result.stdout
@@ -133,7 +136,7 @@ def test_torchrun_strides_examples_over_ranks(tmp_path, text_dataset):
     env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(REPO / "prepare.py"), "eval-core", "--inference-py", str(TOY), "--checkpoint",
-                             str(ckpt), "--bundle-dir", str(bundle), "--verify", "0"], cwd=REPO, env=env,
+                             str(ckpt), "--bundle-dir", str(bundle), "--verify-fraction", "0"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "core_report.json").read_text())
@@ -149,17 +152,20 @@ def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, mo
     spec = importlib.util.spec_from_file_location("toy", TOY)
     toy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(toy)
-    root = C.bundle_root(make_bundle(tmp_path))
-    tasks = C.load_tasks(root)
+    bundle = C.bundle_from_dir(make_bundle(tmp_path))
+    tasks = C.load_tasks(bundle)
     assert [t.delimiter for t in tasks] == [" ", "\nAnswer: ", " ", " ", "\nAnswer: "]
+    examples = {t.label: C.shuffled_and_capped(C.load_examples(bundle, t), -1) for t in tasks}
     one, many = toy.load_scorer(None, None), toy.load_scorer(None, None)
     tok = prepare.ensure_tokenizer()
-    a = C.evaluate_core(one, tok, root, tasks, examples_per_call=1, log=lambda m: None)
-    b = C.evaluate_core(many, tok, root, tasks, examples_per_call=256, log=lambda m: None)
+    a, _ = C.evaluate_core(one.score, tok, tasks, examples, None, examples_per_call=1, log=lambda m: None)
+    b, sample = C.evaluate_core(many.score, tok, tasks, examples, None, examples_per_call=256, log=lambda m: None)
     assert a["core"] == b["core"] == expected_core()[1]
     assert one.calls == sum(t[5] for t in __import__("core_bundle").TASKS) and many.calls == len(tasks)
-    capped = C.evaluate_core(many, tok, root, tasks[:1], max_per_task=4, log=lambda m: None)
-    assert capped["tasks"]["mc_plain"]["examples"] == 4
+    assert {s.task.label for s in sample} == {t.label for t in tasks}  # every task is sampled for verification
+    capped = {t.label: C.shuffled_and_capped(C.load_examples(bundle, t), 4) for t in tasks[:1]}
+    report, _ = C.evaluate_core(many.score, tok, tasks[:1], capped, None, log=lambda m: None)
+    assert report["tasks"]["mc_plain"]["examples"] == 4
 
 
 # --- clear errors -------------------------------------------------------------------------------
@@ -176,15 +182,17 @@ def test_clear_errors(tmp_path, text_dataset):
     (bad_type / "core.yaml").write_text((bad_type / "core.yaml").read_text().replace("schema\n", "ranking\n", 1))
     no_iface = tmp_path / "no_iface.py"
     no_iface.write_text("def score(x):\n    return x\n")
-    base = ["--inference-py", str(TOY), "--checkpoint", str(ckpt), "--verify", "0"]
+    base = ["--inference-py", str(TOY), "--checkpoint", str(ckpt), "--verify-fraction", "0"]
     cases = [
         (["--bundle-dir", str(tmp_path / "nothing")] + base, "no CORE bundle at"),
         (["--bundle-dir", str(bad_line)] + base, "lm_plain.jsonl:9: a language_modeling example needs"),
         (["--bundle-dir", str(bad_type)] + base, "icl_task_type 'ranking'"),
-        (["--bundle-dir", str(good), "--inference-py", str(no_iface), "--checkpoint", str(ckpt)],
-         "defines no load_scorer"),
-        (["--bundle-dir", str(good), "--inference-py", str(REPO / "inference.py"), "--checkpoint", str(ckpt)],
-         "load_scorer could not load"),
+        (["--bundle-dir", str(good), "--inference-py", str(no_iface), "--checkpoint", str(ckpt), "--verify-fraction",
+          "0"], "defines no load_scorer"),
+        (["--bundle-dir", str(good), "--inference-py", str(REPO / "inference.py"), "--checkpoint", str(ckpt),
+          "--verify-fraction", "0"], "load_scorer could not load"),
+        (["--bundle-dir", str(good), "--inference-py", str(TOY), "--checkpoint", str(ckpt), "--train-py",
+          str(tmp_path / "nope.py")], "nope.py: no such file"),
         (["--bundle-dir", str(good), "--tasks", "mc_plain,nope"] + base, "--tasks: unknown ['nope']"),
     ]
     (tmp_path / "nothing").mkdir()
@@ -226,26 +234,40 @@ def _zipped_bundle(tmp_path) -> bytes:
     return buf.getvalue()
 
 
-def test_bundle_download_is_verified_and_unpacked_atomically(tmp_path, isolated_cache):
+def test_bundle_download_is_recorded_pinned_and_read_from_the_archive(tmp_path, isolated_cache, monkeypatch, capsys):
+    import hashlib
     payload = _zipped_bundle(tmp_path)
+    digest = hashlib.sha256(payload).hexdigest()
     httpd, url = _serve(payload)
     try:
         with pytest.raises(C.CoreError, match="pinned bundle is 00"):
             C.ensure_bundle(url=url, sha256="00" * 32)
-        assert not (isolated_cache / "eval_bundle").exists()  # nothing unpacked from an unverified archive
+        assert f"eval_bundle.zip sha256 {digest}" in capsys.readouterr().out  # recorded and printed
+        assert (isolated_cache / "eval_bundle.zip.sha256").read_text().split()[0] == digest
         (isolated_cache / "eval_bundle.zip").unlink()
-        import hashlib
-        root = C.ensure_bundle(url=url, sha256=hashlib.sha256(payload).hexdigest())
+        bundle = C.ensure_bundle(url=url, sha256=digest)
     finally:
         httpd.shutdown()
-    assert root == isolated_cache / "eval_bundle" and (root / "core.yaml").is_file()
-    assert [t.label for t in C.load_tasks(root)][0] == "mc_plain"
-    assert not list(isolated_cache.glob("*.tmp"))
-    assert C.ensure_bundle() == root  # cached: no network needed
+    assert bundle.pinned and bundle.sha256 == digest and bundle.source.endswith("eval_bundle.zip")
+    assert [t.label for t in C.load_tasks(bundle)][0] == "mc_plain"
+    assert not list(isolated_cache.glob("*.tmp")) and not (isolated_cache / "eval_bundle").exists()
+    unpinned = C.ensure_bundle()  # cached: no network needed; no pin configured
+    assert not unpinned.pinned and unpinned.sha256 == digest
+    monkeypatch.setenv("FRONTIER_EVAL_BUNDLE_SHA256", digest)
+    assert C.ensure_bundle().pinned
+    archive = isolated_cache / "eval_bundle.zip"  # a bundle changed on disk after its download
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 1
+    archive.write_bytes(bytes(data))
+    with pytest.raises(C.CoreError, match="pinned bundle is"):
+        C.ensure_bundle()
+    monkeypatch.delenv("FRONTIER_EVAL_BUNDLE_SHA256")
+    with pytest.raises(C.CoreError, match="changed since it was downloaded"):
+        C.ensure_bundle()
 
 
 def test_a_download_that_is_not_a_zip_fails_clearly(tmp_path, isolated_cache, monkeypatch):
-    monkeypatch.setattr(prepare, "DOWNLOAD_BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr(download, "DOWNLOAD_BACKOFF_SECONDS", 0.01)
     httpd, url = _serve(b"<html>not found</html>")
     try:
         with pytest.raises(prepare.DownloadError, match="eval_bundle.zip: download failed"):
@@ -261,10 +283,12 @@ def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path,
     bundle = make_bundle(tmp_path)
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
     result = _eval_core(["--inference-py", str(REPO / "inference.py"), "--checkpoint", str(tiny_checkpoint),
-                         "--bundle-dir", str(bundle), "--verify", "4", "--report", str(tmp_path / "r.json")], env)
+                         "--bundle-dir", str(bundle), "--verify-fraction", "0.5", "--report", str(tmp_path / "r.json")],
+                        env)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["verify"]["sequences"] == 4 and report["verify"]["max_abs_loss_diff"] < 0.05
+    assert report["verify"]["examples"] >= 5 * 4 and report["verify"]["twins"] >= 5 * 4
+    assert report["verify"]["max_abs_loss_diff"] < 1e-3 and report["verify"]["max_causal_diff"] == 0.0
     assert -1.0 <= report["core"] <= 1.0 and report["train_py_sha256"] == prepare.sha256_file(REPO / "train.py")
 
     cheat = tmp_path / "cheat_inference.py"  # scores something other than the trained model
@@ -274,5 +298,5 @@ def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path,
                      "def load_scorer(path, device):\n    s = inference.load_scorer(path, device)\n"
                      "    return Off(s.model, s.device)\n" % str(REPO))
     result = _eval_core(["--inference-py", str(cheat), "--checkpoint", str(tiny_checkpoint), "--train-py",
-                         str(REPO / "train.py"), "--bundle-dir", str(bundle), "--verify", "2"], env)
+                         str(REPO / "train.py"), "--bundle-dir", str(bundle)], env)
     assert result.returncode == 1 and "must score the trained model" in result.stderr

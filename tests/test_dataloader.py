@@ -4,10 +4,12 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 import prepare
+from harness import loader
 
 
 @pytest.fixture
@@ -34,7 +36,7 @@ def test_rows_are_whole_or_cropped_documents_without_padding(tok, text_dataset):
     bos = tok.get_bos_token_id()
     docs = []
     for path in prepare.split_shards("train", text_dataset):
-        for rg in range(prepare.pq.ParquetFile(path).metadata.num_row_groups):
+        for rg in range(pq.ParquetFile(path).metadata.num_row_groups):
             docs += prepare._row_group_texts(str(path), rg)
     encoded = {tuple(ids) for ids in tok.encode(docs, prepend=bos)}
     prefixes = {d[:k] for d in encoded for k in range(1, len(d) + 1)}
@@ -86,7 +88,7 @@ def test_row_groups_for_split_shards_by_rank(tok):
 
 def test_pack_rows_best_fit():
     docs = [np.array([9] + [n] * (n - 1), dtype=np.int32) for n in (5, 3, 2, 7, 4)]
-    rows = list(prepare._pack_rows(iter([(docs, 1)]), 8, buffer_size=100))
+    rows = list(loader._pack_rows(iter([(docs, 1)]), 8, buffer_size=100))
     # first row: longest that fits 8 is 7, then the 1 remaining slot crops the shortest (2)
     assert rows[0][0].tolist() == [9, 7, 7, 7, 7, 7, 7, 9]
     assert rows[1][0].tolist() == [9, 5, 5, 5, 5, 9, 3, 3]  # 5 fits, then 3

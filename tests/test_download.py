@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import prepare
+from harness import cli, data, download
 from helpers import random_documents
 
 
@@ -75,11 +76,11 @@ def shard_files():
 
 @pytest.fixture(autouse=True)
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(prepare, "DOWNLOAD_BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr(download, "DOWNLOAD_BACKOFF_SECONDS", 0.01)
 
 
 def _setup(url, capsys, extra=()):
-    code = prepare.main(["setup", "--source", "climbmix", "--num-train-shards", "3", "--base-url", url,
+    code = cli.main(["setup", "--source", "climbmix", "--num-train-shards", "3", "--base-url", url,
                          "--tokenizer", "stdlib", *extra])
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -116,7 +117,7 @@ def test_a_shard_that_never_validates_fails_clearly_and_leaves_no_bad_file(isola
     assert "shard_00001.parquet: download failed" in err and "not a readable parquet file" in err
     assert "--source stdlib" in err  # says how to work offline
     assert _final_files(isolated_cache) == ["shard_00000.parquet", "shard_00002.parquet", "shard_06542.parquet"]
-    assert server.attempts["shard_00001.parquet"] == prepare.DOWNLOAD_ATTEMPTS
+    assert server.attempts["shard_00001.parquet"] == download.DOWNLOAD_ATTEMPTS
 
 
 def test_missing_file_is_not_retried(isolated_cache, shard_files, capsys):
@@ -142,7 +143,7 @@ def test_rerun_keeps_good_shards_and_replaces_bad_ones(isolated_cache, shard_fil
     finally:
         server.close()
     assert code == 0, err
-    assert "replacing bad file: shard_00001.parquet" in out
+    assert "bad file, downloading a replacement: shard_00001.parquet" in out
     assert bad.read_bytes() == shard_files["shard_00001.parquet"]
     assert good.stat().st_mtime_ns == mtime
     assert server.attempts["shard_00000.parquet"] == 1 and server.attempts["shard_00001.parquet"] == 2
@@ -159,10 +160,51 @@ def test_climbmix_tokenizer_build_needs_the_pinned_shards(isolated_cache, shard_
     server = FaultyServer(shard_files, {})
     try:
         base = ["setup", "--source", "climbmix", "--num-train-shards", "3", "--base-url", server.url]
-        assert prepare.main(base) == 1
+        assert cli.main(base) == 1
         assert "none is shipped for 'climbmix'" in capsys.readouterr().err
-        assert prepare.main(base + ["--build-tokenizer-if-missing"]) == 1
+        assert cli.main(base + ["--build-tokenizer-if-missing"]) == 1
         err = capsys.readouterr().err
     finally:
         server.close()
     assert "needs train shards 0..7; missing [3, 4, 5, 6, 7]" in err and "--num-train-shards 8" in err
+
+
+def test_a_bad_file_stays_until_its_good_copy_has_arrived(isolated_cache, shard_files, capsys):
+    """A failed repair of the validation shard leaves the bad file (which every reader refuses); it
+    never disappears, so no training shard is ever taken for public_val."""
+    server = FaultyServer(shard_files, {})
+    try:
+        assert _setup(server.url, capsys)[0] == 0
+        folder = isolated_cache / "climbmix"
+        val = folder / "shard_06542.parquet"
+        val.write_bytes(val.read_bytes()[:100])
+        damaged = val.read_bytes()
+        server.faults["shard_06542.parquet"] = ["garbage"] * 10
+        code, out, err = _setup(server.url, capsys)
+    finally:
+        server.close()
+    assert code == 1 and "shard_06542.parquet: download failed" in err
+    assert val.read_bytes() == damaged  # not deleted before a good copy arrived
+    assert data.split_shards("public_val", folder) == [val]
+    with pytest.raises(prepare.BadShardError):
+        prepare.check_shard(val)
+
+
+def test_splits_come_from_the_manifest(isolated_cache, shard_files, capsys):
+    import json
+    server = FaultyServer(shard_files, {})
+    try:
+        assert _setup(server.url, capsys)[0] == 0
+    finally:
+        server.close()
+    folder = isolated_cache / "climbmix"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["splits"] == {"train": ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet"],
+                                  "public_val": ["shard_06542.parquet"]}
+    (folder / "shard_06542.parquet").unlink()  # the validation shard is gone: an error, not a relabelling
+    with pytest.raises(prepare.DataError, match=r"public_val split .* is missing \['shard_06542.parquet'\]"):
+        data.split_shards("public_val", folder)
+    del manifest["splits"]  # a manifest that does not list its splits (an older kit's)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(prepare.DataError, match="does not list its splits"):
+        data.split_shards("train", folder)

@@ -6,10 +6,13 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import prepare
-from helpers import (BatchMixModel, BatchSizeModel, BigramModel, NaNModel, PeekModel, UniformModel,
-                     WrongShapeModel, documents_with_token_count, shipped_tokenizer, write_shard)
+from helpers import (BatchMixModel, BatchSizeModel, BigramModel, NaNModel, NoisyModel, PeekAfterWarmup,
+                     PeekExceptAtFixedCuts, PeekModel, PeekOnRealText, PeekWithHugeSpecialLogit, SubclassModel,
+                     UniformModel, WrongShapeModel, documents_with_token_count, random_documents, shipped_tokenizer,
+                     write_shard)
 
 V = 8192
 
@@ -100,8 +103,10 @@ def test_tiny_timeout_reports_over_timeout_not_a_number(tmp_path, tok, eight_tok
     (WrongShapeModel(V), r"returned shape \(4, 8192\)"),
     (UniformModel(V - 1), "expected logits"),
     (PeekModel(V), "not causal"),
-    (BatchMixModel(V), "other rows of the batch"),
+    (BatchMixModel(V), "rows (must not )?interact"),
     (BatchSizeModel(V), "batch size"),
+    (SubclassModel(V), "plain torch.Tensor"),
+    (NoisyModel(V), "pure function|rows must not interact|not causal"),
 ])
 def test_broken_models_are_refused_with_a_clear_message(tmp_path, tok, eight_token_docs, model, message):
     shard = write_shard(tmp_path / "val.parquet", eight_token_docs)
@@ -109,31 +114,69 @@ def test_broken_models_are_refused_with_a_clear_message(tmp_path, tok, eight_tok
         _evaluate(model, tok, shard, seq_len=8)
 
 
-def test_causality_check_reports_and_passes_a_valid_model(tok):
+@pytest.fixture(scope="module")
+def long_shard(tmp_path_factory):
+    """Real-looking text: enough rows of 32 tokens for dozens of probes."""
+    return write_shard(tmp_path_factory.mktemp("long") / "val.parquet", random_documents(400, seed=3))
+
+
+@pytest.mark.parametrize("model", [
+    PeekExceptAtFixedCuts(V, seq_len=32),  # peeks everywhere but the old fixed cut points 1, T/2, T-1
+    PeekAfterWarmup(V, warmup=3),  # honest in its first forwards, peeks afterwards
+    PeekOnRealText(V),  # peeks only on rows that repeat a token (random rows almost never do)
+    PeekWithHugeSpecialLogit(V),  # one logit of -1e7 on a special token would have widened a relative tolerance
+], ids=lambda m: type(m).__name__)
+def test_models_that_dodged_the_old_checks_are_refused(tok, long_shard, model):
+    with pytest.raises(prepare.EvalRefused, match="not causal"):
+        _evaluate(model, tok, long_shard, seq_len=32, batch_size=8, max_tokens=32 * 200)
+
+
+def test_probes_cut_every_position_and_leave_the_number_alone(tok, long_shard):
+    gen = torch.Generator().manual_seed(0)
+    model = BigramModel(torch.randn(V, V, generator=gen))
+    a = _evaluate(model, tok, long_shard, seq_len=16, batch_size=8, max_tokens=16 * 800)
+    b = _evaluate(model, tok, long_shard, seq_len=16, batch_size=8, max_tokens=16 * 800)
+    assert a["probes"] >= 50 and a["cut_positions"] == 15  # every position 1..15 was a cut point
+    assert a["val_bpb"] == b["val_bpb"]  # the secret probes differ between runs; the number does not
+    assert a["causality_max_abs_diff"] == 0.0 and a["batch_size_max_abs_diff"] == 0.0
+
+
+@pytest.fixture
+def active_text_dataset(text_dataset, monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    return text_dataset
+
+
+def test_causality_check_reports_and_passes_a_valid_model(tok, active_text_dataset):
     torch.manual_seed(0)
     valid = BigramModel(torch.randn(V, V))
     check = prepare.causality_check(valid, tok, 4, 16, "cpu")
-    assert check["passed"] and check["max_abs_diff"] == 0.0
+    assert check["passed"] and check["max_abs_diff"] == 0.0 and check["probes"] > 0
     peek = prepare.causality_check(PeekModel(V), tok, 4, 16, "cpu")
-    assert not peek["passed"] and peek["causal_max_abs_diff"] == pytest.approx(10.0)
+    assert not peek["passed"] and "not causal" in peek["message"]
+    assert peek["causal_max_abs_diff"] > 1.0
 
 
-def test_valid_causal_attention_model_is_never_refused(tok):
-    """A real (tiny) causal transformer layer passes, with and without padded vocab."""
+def test_valid_causal_attention_model_is_never_refused(tok, active_text_dataset):
+    """A real (tiny) causal transformer layer passes, in fp32 and bf16, with and without padded vocab."""
     class TinyAttention(torch.nn.Module):
-        def __init__(self, vocab):
+        def __init__(self, vocab, dtype):
             super().__init__()
             torch.manual_seed(0)
             self.emb = torch.nn.Embedding(V, 32)
             self.qkv = torch.nn.Linear(32, 96)
             self.head = torch.nn.Linear(32, vocab)
+            self.compute_dtype = dtype
 
         def forward(self, idx):
-            x = self.emb(idx)
-            q, k, v = self.qkv(x).split(32, dim=-1)
-            y = torch.nn.functional.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], is_causal=True)
-            return self.head(x + y[:, 0])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.compute_dtype is not None):
+                x = self.emb(idx)
+                q, k, v = self.qkv(x).split(32, dim=-1)
+                y = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], is_causal=True)
+                return self.head(x + y[:, 0]).float()
 
     for vocab in (V, V + 64):
-        check = prepare.causality_check(TinyAttention(vocab).eval(), tok, 4, 64, "cpu")
-        assert check["passed"], check["message"]
+        for dtype in (None, torch.bfloat16):
+            for batch in (1, 8):
+                check = prepare.causality_check(TinyAttention(vocab, dtype).eval(), tok, batch, 64, "cpu")
+                assert check["passed"], check["message"]

@@ -102,9 +102,9 @@ def test_malformed_jsonl_names_the_line(tmp_path):
 
 
 def test_split_document_keeps_text_and_limits_size():
-    import prepare
+    from harness import data
     text = "".join(f"def f{i}():\n    return {i}\n\n" for i in range(400)) + "x" * 9000
-    pieces = prepare.split_document(text, 1000)
+    pieces = data.split_document(text, 1000)
     assert "".join(pieces) == text
     assert all(len(p) <= 1000 for p in pieces)
     assert pieces[0].startswith("def f0():") and pieces[0].endswith("\n\n")

@@ -40,6 +40,7 @@ def test_token_bytes_are_utf8_lengths_and_zero_for_specials():
 def _copy_harness(dest):
     dest.mkdir()
     shutil.copy2(REPO / "prepare.py", dest / "prepare.py")
+    shutil.copytree(REPO / "harness", dest / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "tokenizer", dest / "tokenizer")
     return dest
 

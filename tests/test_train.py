@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -42,7 +43,7 @@ def _unigram_entropy_nats(dataset) -> float:
     tok = prepare.ensure_tokenizer(dataset_dir=dataset)
     counts = collections.Counter()
     for path in prepare.split_shards("train", dataset):
-        for rg in range(prepare.pq.ParquetFile(path).metadata.num_row_groups):
+        for rg in range(pq.ParquetFile(path).metadata.num_row_groups):
             for ids in tok.encode(prepare._row_group_texts(str(path), rg), prepend=tok.get_bos_token_id()):
                 counts.update(ids)
     total = sum(counts.values())

@@ -1,0 +1,206 @@
+"""The command line: `python prepare.py setup | eval-public | eval | eval-core`.
+
+Only this process writes result lines on stdout; participant code runs in worker processes whose
+output arrives on stderr, each line marked with the worker's name."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from harness import core
+from harness.common import HarnessError, atomic_write_json, detect_device_type, get_dist_info, log, sha256_file
+from harness.config import (CLIMBMIX_BASE_URL, EVAL_BATCH_SIZE, EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS,
+                            SHIPPED_TOKENIZER_DIR, cache_root, default_out_dir, env_report)
+from harness.data import (DEFAULT_NUM_TRAIN_SHARDS, dataset_name, load_manifest, prepare_climbmix,
+                          prepare_offline_source, split_shards)
+from harness.download import DOWNLOAD_WORKERS
+from harness.metric import evaluate_checkpoint
+from harness.tokenizer import ensure_tokenizer, shipped_tokenizer_pins
+
+
+def say_environment() -> None:
+    for line in env_report():
+        log(line)
+
+
+def cmd_setup(args) -> int:
+    say_environment()
+    source = args.source
+    name = dataset_name(source)
+    if args.num_train_shards is not None and source != "climbmix":
+        raise HarnessError("--num-train-shards applies to --source climbmix only")
+    dataset_dir = Path(args.data_dir).expanduser().resolve() if args.data_dir else cache_root() / name
+    dataset_dir.mkdir(parents=True, exist_ok=True)
+    for stale in dataset_dir.glob("*.tmp"):  # what an interrupted run left
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    t0 = time.time()
+    log(f"[setup] source {source} -> {dataset_dir}")
+    if source == "climbmix":
+        manifest = prepare_climbmix(dataset_dir, args.num_train_shards or DEFAULT_NUM_TRAIN_SHARDS,
+                                    args.base_url or os.environ.get("FRONTIER_CLIMBMIX_BASE_URL") or CLIMBMIX_BASE_URL,
+                                    args.workers)
+    else:
+        manifest = prepare_offline_source(source, dataset_dir)
+    if args.tokenizer:
+        if args.tokenizer not in shipped_tokenizer_pins():
+            raise HarnessError(f"--tokenizer {args.tokenizer}: no such shipped tokenizer "
+                               f"(shipped: {sorted(shipped_tokenizer_pins())})")
+        manifest["tokenizer"] = {"name": args.tokenizer}
+    if not (dataset_dir / "manifest.json").exists() or load_manifest(dataset_dir) != manifest:
+        atomic_write_json(dataset_dir / "manifest.json", manifest)
+    tokenizer = ensure_tokenizer(build_if_missing=args.build_tokenizer_if_missing, dataset_dir=dataset_dir)
+    atomic_write_json(cache_root() / "active.json", {"dataset_dir": str(dataset_dir), "source": source})
+    train, val = split_shards("train", dataset_dir), split_shards("public_val", dataset_dir)
+    pinned = ("shipped and pinned" if tokenizer.path.parent == SHIPPED_TOKENIZER_DIR else
+              "built here, pinned in manifest.json" if tokenizer.path.parent == dataset_dir else
+              "named and pinned by the environment")
+    log(f"[setup] done in {time.time() - t0:.1f}s")
+    log(f"train data:      {dataset_dir} ({len(train)} shards)")
+    log(f"public_val data: {val[0]}")
+    log(f"tokenizer:       {tokenizer.path} (sha256 {tokenizer.sha256}, {pinned})")
+    log(f"manifest:        {dataset_dir / 'manifest.json'}")
+    log(f"active dataset:  {cache_root() / 'active.json'}")
+    return 0
+
+
+def official_eval_reasons(seq_len: int, max_tokens: int) -> list[str]:
+    """Why an evaluation is not the official one (empty: it is)."""
+    reasons = []
+    if seq_len != EVAL_SEQ_LEN:
+        reasons.append(f"--seq-len {seq_len} is not the official context {EVAL_SEQ_LEN}")
+    if max_tokens != EVAL_TOKENS:
+        reasons.append(f"--max-tokens {max_tokens} is not the official count {EVAL_TOKENS}")
+    return reasons
+
+
+def cmd_eval(args) -> int:
+    ddp, rank, local_rank, world_size = get_dist_info()
+    if ddp:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")  # the harness processes share out the rows and add the sums
+    try:
+        return run_eval(args, rank, local_rank)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_eval(args, rank: int, local_rank: int) -> int:
+    if rank == 0:
+        say_environment()
+    device_type = args.device or detect_device_type()
+    device = f"cuda:{local_rank}" if device_type == "cuda" else device_type
+    checkpoint = Path(args.checkpoint or Path(default_out_dir()) / "final.pt")
+    train_py = Path(args.train_py)
+    tokenizer = ensure_tokenizer()
+    shard = getattr(args, "val_shard", None)
+    if shard is not None and not Path(shard).is_file():
+        raise HarnessError(f"--val-shard {shard}: no such file")
+    if args.seq_len < 2 or args.batch_size < 1:
+        raise HarnessError(f"--seq-len must be >= 2 and --batch-size >= 1, got {args.seq_len} and {args.batch_size}")
+    result = evaluate_checkpoint(train_py, checkpoint, tokenizer, args.batch_size, args.seq_len, device,
+                                 max_tokens=args.max_tokens, timeout_seconds=EVAL_TIMEOUT_SECONDS, shard_path=shard,
+                                 local_rank=local_rank, label=f"worker{'' if rank == 0 else f':{rank}'}")
+    if rank != 0:
+        return 0
+    reasons = official_eval_reasons(args.seq_len, args.max_tokens)
+    result.update(official=not reasons, not_official_because=reasons, device=device,
+                  checkpoint=str(checkpoint), checkpoint_sha256=sha256_file(checkpoint), train_py=str(train_py),
+                  train_py_sha256=sha256_file(train_py), tokenizer_sha256=tokenizer.sha256)
+    print("---")
+    print(f"val_bpb:                 {result['val_bpb']:.6f}")
+    print(f"official:                {not reasons}{'  (' + '; '.join(reasons) + ')' if reasons else ''}")
+    print(f"eval_tokens:             {result['tokens']}")
+    print(f"eval_bytes:              {result['total_bytes']}")
+    print(f"eval_rows:               {result['rows']}")
+    print(f"eval_seq_len:            {result['seq_len']}")
+    print(f"eval_seconds:            {result['eval_seconds']:.1f}")
+    print(f"eval_timeout:            {result['eval_timeout']}")
+    print(f"eval_over_timeout:       {result['eval_over_timeout']}")
+    print(f"causality_passed:        {result['causality_passed']}")
+    print(f"causality_max_abs_diff:  {result['causality_max_abs_diff']:.3g}")
+    print(f"batch_size_max_abs_diff: {result['batch_size_max_abs_diff']:.3g}")
+    print(f"probes:                  {result['probes']} ({result['cut_positions']} cut positions)")
+    print(f"compute_dtype:           {result['compute_dtype']}")
+    print(f"world_size:              {result['world_size']}")
+    print(f"shard:                   {result['shards'][0]}")
+    print(f"device:                  {device}")
+    print(f"checkpoint_sha256:       {result['checkpoint_sha256']}")
+    print(f"train_py_sha256:         {result['train_py_sha256']}")
+    print(f"tokenizer_sha256:        {tokenizer.sha256}")
+    if args.report:
+        atomic_write_json(Path(args.report), result)
+        print(f"report:                  {args.report}")
+    if result["eval_over_timeout"]:
+        print(f"error: evaluation did not finish within {EVAL_TIMEOUT_SECONDS}s; no score", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prepare.py", description="The trusted harness of the trainium-frontier "
+                                                                    "kit: data, tokenizer, the official metrics.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("setup", help="download or build the data shards and install the tokenizer",
+                       description="Prepare a dataset (shards + tokenizer) and make it the active one.")
+    p.add_argument("--source", default="climbmix",
+                   help="climbmix (default: public shards, needs the network), stdlib (offline: Python's standard "
+                        "library) or dir:PATH (a folder of .parquet/.jsonl/.txt files)")
+    p.add_argument("--num-train-shards", type=int, default=None,
+                   help=f"ClimbMix training shards to fetch (default {DEFAULT_NUM_TRAIN_SHARDS}); the validation "
+                        "shard 6542 is always fetched")
+    p.add_argument("--data-dir", default=None, help="where the shards go (default: <cache>/<source>; the cache is "
+                                                    "$FRONTIER_CACHE_DIR or $NEURON_COMPETITION_R1_CACHE_DIR, else "
+                                                    "~/.cache/trainium-frontier)")
+    p.add_argument("--base-url", default=None, help="ClimbMix mirror (default: $FRONTIER_CLIMBMIX_BASE_URL or "
+                                                    "the Hugging Face address)")
+    p.add_argument("--workers", type=int, default=DOWNLOAD_WORKERS, help="parallel downloads")
+    p.add_argument("--tokenizer", default=None, help="use this shipped tokenizer (by name) instead of the source's own")
+    p.add_argument("--build-tokenizer-if-missing", action="store_true",
+                   help="train the BPE tokenizer from the training shards when none is shipped or built yet")
+    p.set_defaults(func=cmd_setup)
+
+    for name, help_text in (("eval-public", "score a checkpoint on the public validation shard"),
+                            ("eval", "score a checkpoint on any shard (the organisers run it on the private one)")):
+        p = sub.add_parser(name, help=help_text, description=help_text + " with the official evaluate_bpb; the "
+                           "model runs in a separate worker process.")
+        if name == "eval":
+            p.add_argument("--val-shard", required=True, help="parquet shard with a 'text' column")
+        p.add_argument("--train-py", default="train.py", help="the participant's train.py (defines load_for_eval; "
+                                                              "default: train.py)")
+        p.add_argument("--checkpoint", default=None, help="checkpoint written by that train.py (default: "
+                                                          "<out dir>/final.pt, the out dir from $FRONTIER_OUT_DIR or "
+                                                          "$NEURON_COMPETITION_R1_OUT_DIR, else out)")
+        p.add_argument("--device", default=None, help="neuron, cuda or cpu (default: the fastest present)")
+        p.add_argument("--batch-size", type=int, default=EVAL_BATCH_SIZE, help="rows per forward (the number does "
+                                                                               "not depend on it)")
+        p.add_argument("--seq-len", type=int, default=EVAL_SEQ_LEN, help=f"evaluation context (official: "
+                                                                         f"{EVAL_SEQ_LEN}; any other is reported as "
+                                                                         "unofficial)")
+        p.add_argument("--max-tokens", type=int, default=EVAL_TOKENS, help="tokens to score (the official count "
+                                                                           "is the default)")
+        p.add_argument("--report", default=None, help="also write the result as JSON here")
+        p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("eval-core", help="score a checkpoint on CORE through the participant's inference.py",
+                       description="CORE (Phase 2): the 22 in-context-learning tasks of the eval bundle, scored "
+                                   "through inference.py, as nanochat computes it, and verified on a secret sample "
+                                   "through train.py's load_for_eval.")
+    core.add_arguments(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,679 @@
+"""CORE (Phase 2), the trusted side: the pinned eval bundle, prompts, tokenization, scored regions,
+decisions, scores, and the verification that makes them trustworthy, exactly as nanochat
+computes the DCLM CORE metric. Driven from the command line:
+
+    python prepare.py eval-core --inference-py inference.py --checkpoint out/final.pt
+    torchrun --standalone --nproc_per_node=8 prepare.py eval-core ...   # examples strided over 8 ranks
+
+The participant's inference.py turns token sequences into per-position losses and greedy
+predictions, in a worker process (harness/worker.py); everything that depends on the task happens
+here. Its answers are not taken on trust: a secret random sample of the examples it scored (every
+sequence of each sampled example, in every task) is scored again through the trusted path
+(train.py's load_for_eval in a model worker, losses and argmax computed here from its logits),
+and one sequence of each sampled example is also cut at a secret point inside its scored region
+and continued with other text, to check the model does not read ahead. A disagreement beyond a
+tolerance well below decision margins refuses the run.
+
+Semantics (nanochat core_eval.py / base_eval.py):
+- each task's examples are shuffled with random.Random(1337), then capped at --max-per-task;
+- example idx gets few-shot examples random.Random(1234 + idx).sample(all indices but idx, k);
+- prompts: multiple choice renders one prompt per choice, schema one per context option,
+  language modelling one prompt without and one with the continuation; BOS goes in front;
+- scored region: the tokens after the common prefix (multiple choice), the common suffix
+  (schema), or the continuation (language modelling); longer sequences keep their last
+  max_seq_len tokens;
+- multiple choice and schema pick the option with the lowest mean loss over its region (first on
+  ties); language modelling is correct when greedy predictions match the continuation exactly;
+- centered accuracy = (accuracy - 0.01 * baseline) / (1 - 0.01 * baseline) with the bundle's
+  random baselines (percent); CORE = the mean over the tasks.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import random
+import secrets
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harness.common import EvalRefused, HarnessError, atomic_write_bytes, atomic_write_json, get_dist_info, \
+    log, sha256_file
+from harness.config import SPECIAL_TOKENS, cache_root
+from harness.download import download_file
+from harness.worker import ModelForward, Worker, score_sequences
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+# The bundle's SHA-256, once the organisers publish it. Set it here or in $FRONTIER_EVAL_BUNDLE_SHA256:
+# every run then checks the archive against it, and only a run on the pinned archive is official.
+EVAL_BUNDLE_SHA256 = ""
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+REQUIRED_FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+                   "language_modeling": ("context", "continuation")}
+SHUFFLE_SEED = 1337
+FEWSHOT_SEED = 1234
+EXAMPLES_PER_CALL = 256  # examples whose sequences go to the scorer in one call (it batches them)
+VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted path (secret sample)
+VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
+VERIFY_LOSS_TOLERANCE = 0.05  # nats: a choice's mean loss, inference.py's vs the trusted one
+VERIFY_GREEDY_TOLERANCE = 0.05  # nats: a claimed greedy token's log-prob may trail the trusted best by this
+VERIFY_CAUSAL_TOLERANCE = 1e-3  # nats: log-probs before a secret cut, the sequence vs its twin
+VERIFY_BATCH_ROWS = 4  # rows per forward of the trusted path
+VERIFY_LENGTH_BUCKET = 64  # the trusted path pads each forward to a multiple of this length
+VERIFY_SECRET_IDS = 8  # token ids compared at every position of a twin, besides the sequence's own
+
+
+class CoreError(HarnessError):
+    pass
+
+
+@dataclass
+class Task:
+    label: str
+    task_type: str
+    num_fewshot: int
+    delimiter: str
+    dataset_uri: str
+    random_baseline: float  # percent
+
+
+# ---------------------------------------------------------------------------------------------
+# The bundle: the pinned archive (read directly, never unpacked) or a local folder (unofficial)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Bundle:
+    source: str  # the archive or folder it was read from
+    sha256: str | None  # of the archive; None for a folder
+    pinned: bool  # the archive's SHA-256 equals a configured pin
+    files: dict = field(repr=False, default_factory=dict)  # relative path -> bytes, read once at load time
+
+    def read_text(self, relative: str) -> str:
+        if relative not in self.files:
+            raise CoreError(f"the CORE bundle ({self.source}) has no {relative}")
+        return self.files[relative].decode("utf-8")
+
+
+def bundle_from_dir(path: Path) -> Bundle:
+    """A local bundle folder (path itself or its eval_bundle/ subfolder), read into memory."""
+    path = Path(path).expanduser()
+    for root in (path, path / "eval_bundle"):
+        if (root / "core.yaml").is_file():
+            files = {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+            return Bundle(str(root), None, False, files)
+    raise CoreError(f"no CORE bundle at {path} (core.yaml not found). Omit --bundle-dir to download it, or unzip "
+                    "eval_bundle.zip there.")
+
+
+def _zip_root(names: list[str]) -> str | None:
+    """The folder prefix of core.yaml inside the archive ('' or 'eval_bundle/'), None if absent."""
+    for name in sorted(names, key=len):
+        if name == "core.yaml" or name.endswith("/core.yaml"):
+            return name[:-len("core.yaml")]
+    return None
+
+
+def _check_zip(path: Path) -> None:
+    if not zipfile.is_zipfile(path):
+        raise CoreError(f"{path.name} is not a zip archive")
+    with zipfile.ZipFile(path) as z:
+        if _zip_root(z.namelist()) is None:
+            raise CoreError(f"{path.name} holds no core.yaml")
+
+
+def bundle_from_zip(path: Path, pinned: bool, sha256: str) -> Bundle:
+    with zipfile.ZipFile(path) as z:
+        root = _zip_root(z.namelist())
+        files = {n[len(root):]: z.read(n) for n in z.namelist() if n.startswith(root) and not n.endswith("/")}
+    return Bundle(str(path), sha256, pinned, files)
+
+
+def configured_pin(sha256: str | None = None) -> str:
+    return (sha256 if sha256 is not None else os.environ.get("FRONTIER_EVAL_BUNDLE_SHA256") or EVAL_BUNDLE_SHA256).lower()
+
+
+def ensure_bundle(bundle_dir=None, url: str | None = None, sha256: str | None = None) -> Bundle:
+    """The eval bundle. --bundle-dir: that folder, as is (unofficial). Otherwise the archive in the
+    cache, downloaded on first use (its SHA-256 is recorded beside it and printed), checked against
+    the configured pin when there is one, and read straight from the archive."""
+    if bundle_dir is not None:
+        return bundle_from_dir(Path(bundle_dir))
+    url = url or os.environ.get("FRONTIER_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
+    pin = configured_pin(sha256)
+    archive = cache_root() / "eval_bundle.zip"
+    record = cache_root() / "eval_bundle.zip.sha256"
+    if archive.exists():
+        try:
+            _check_zip(archive)
+        except CoreError as e:
+            log(f"[core] replacing a bad archive: {e}")
+            archive.unlink()
+    if not archive.exists():
+        log(f"[core] downloading the eval bundle from {url}")
+        download_file(url, archive, validate=_check_zip)
+        digest = sha256_file(archive)
+        atomic_write_bytes(record, f"{digest}  eval_bundle.zip\n".encode())
+        log(f"[core] eval_bundle.zip sha256 {digest} (recorded in {record})")
+    actual = sha256_file(archive)
+    if pin and actual != pin:
+        raise CoreError(f"{archive} has sha256 {actual}, but the pinned bundle is {pin}. Delete it and rerun to "
+                        "download it again; if it persists, the published bundle changed.")
+    if not pin and record.exists() and record.read_text().split()[0] != actual:
+        raise CoreError(f"{archive} changed since it was downloaded (sha256 {actual}, recorded "
+                        f"{record.read_text().split()[0]} in {record}). Delete both and rerun to download it again.")
+    return bundle_from_zip(archive, bool(pin), actual)
+
+
+def load_tasks(bundle: Bundle) -> list[Task]:
+    """The tasks of core.yaml with their random baselines from eval_meta_data.csv."""
+    import yaml
+    try:
+        config = yaml.safe_load(bundle.read_text("core.yaml"))
+        entries = config["icl_tasks"]
+    except CoreError:
+        raise
+    except Exception as e:
+        raise CoreError(f"{bundle.source}: core.yaml is not a CORE task list ({type(e).__name__}: {e})")
+    baselines = {}
+    try:
+        for row in csv.DictReader(io.StringIO(bundle.read_text("eval_meta_data.csv"))):
+            baselines[row["Eval Task"]] = float(row["Random baseline"])
+    except (KeyError, ValueError) as e:
+        raise CoreError(f"{bundle.source}: eval_meta_data.csv: cannot read the random baselines "
+                        f"({type(e).__name__}: {e})")
+    tasks = []
+    for entry in entries:
+        label = entry.get("label", "?")
+        if entry.get("icl_task_type") not in TASK_TYPES:
+            raise CoreError(f"core.yaml: task {label!r} has icl_task_type {entry.get('icl_task_type')!r}; known types: "
+                            f"{', '.join(TASK_TYPES)}")
+        if label not in baselines:
+            raise CoreError(f"eval_meta_data.csv has no random baseline for task {label!r}")
+        tasks.append(Task(label, entry["icl_task_type"], int(entry["num_fewshot"][0]),
+                          entry.get("continuation_delimiter", " "), entry["dataset_uri"], baselines[label]))
+    return tasks
+
+
+def load_examples(bundle: Bundle, task: Task) -> list[dict]:
+    relative = f"eval_data/{task.dataset_uri}"
+    if relative not in bundle.files:
+        raise CoreError(f"task {task.label!r}: data file {relative} is missing from {bundle.source}")
+    examples = []
+    for n, line in enumerate(bundle.read_text(relative).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line.strip())
+        except json.JSONDecodeError as e:
+            raise CoreError(f"{relative}:{n}: not valid JSON ({e})")
+        missing = [k for k in REQUIRED_FIELDS[task.task_type] if not isinstance(item, dict) or k not in item]
+        if missing:
+            raise CoreError(f"{relative}:{n}: a {task.task_type} example needs {list(REQUIRED_FIELDS[task.task_type])}; "
+                            f"missing {missing}")
+        examples.append(item)
+    return examples
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling, prompts and scored regions
+# ---------------------------------------------------------------------------------------------
+
+def shuffled_and_capped(examples: list, max_per_task: int) -> list:
+    data = list(examples)
+    random.Random(SHUFFLE_SEED).shuffle(data)
+    return data[:max_per_task] if max_per_task > 0 else data
+
+
+def fewshot_indices(idx: int, n: int, k: int) -> list[int]:
+    if k <= 0:
+        return []
+    return random.Random(FEWSHOT_SEED + idx).sample([i for i in range(n) if i != idx], k)
+
+
+def render_multiple_choice(item: dict, delimiter: str, shots: list[dict]) -> list[str]:
+    prefix = "".join(f"{s['query']}{delimiter}{s['choices'][s['gold']]}\n\n" for s in shots)
+    return [f"{prefix}{item['query']}{delimiter}{choice}" for choice in item["choices"]]
+
+
+def render_schema(item: dict, delimiter: str, shots: list[dict]) -> list[str]:
+    prefix = "".join(f"{s['context_options'][s['gold']]}{delimiter}{s['continuation']}\n\n" for s in shots)
+    return [f"{prefix}{option}{delimiter}{item['continuation']}" for option in item["context_options"]]
+
+
+def render_language_modeling(item: dict, delimiter: str, shots: list[dict]) -> list[str]:
+    """[prompt without the continuation (stripped), prompt with it]."""
+    prefix = "".join(f"{s['context'].strip()}{delimiter}{s['continuation']}\n\n" for s in shots)
+    without = f"{prefix}{item['context'].strip()}{delimiter}"
+    return [without.strip(), without + item["continuation"]]
+
+
+def common_prefix_length(seqs: list[list[int]]) -> int:
+    shortest = min(len(s) for s in seqs)
+    for i in range(shortest):
+        if any(s[i] != seqs[0][i] for s in seqs):
+            return i
+    return shortest
+
+
+def common_suffix_length(seqs: list[list[int]]) -> int:
+    shortest = min(len(s) for s in seqs)
+    for i in range(1, shortest + 1):
+        if any(s[-i] != seqs[0][-i] for s in seqs):
+            return i - 1
+    return shortest
+
+
+@dataclass
+class Request:
+    """The sequences of one example and, for each, the scored region [start, end)."""
+    sequences: list[list[int]]
+    starts: list[int]
+    ends: list[int]
+    gold: int | None
+
+
+def scored_regions(task_type: str, tokens: list[list[int]]) -> tuple[list[list[int]], list[int], list[int]]:
+    if task_type == "multiple_choice":
+        start = common_prefix_length(tokens)
+        return tokens, [start] * len(tokens), [len(t) for t in tokens]
+    if task_type == "schema":
+        suffix = common_suffix_length(tokens)
+        return tokens, [len(t) - suffix for t in tokens], [len(t) for t in tokens]
+    without, with_ = tokens
+    if not (len(without) < len(with_) and with_[:len(without)] == without):
+        raise CoreError("the prompt without the continuation does not tokenize to a prefix of the prompt with it")
+    return [with_], [len(without)], [len(with_)]
+
+
+def truncate_left(seq: list[int], start: int, end: int, max_len: int | None) -> tuple[list[int], int, int]:
+    """Keep the last max_len tokens; shift the region with them."""
+    if max_len is None or len(seq) <= max_len:
+        return seq, start, end
+    crop = len(seq) - max_len
+    if start - crop < 1:
+        raise CoreError(f"the scored region ({end - start} tokens) does not fit the scorer's max_seq_len {max_len}")
+    return seq[crop:], start - crop, end - crop
+
+
+def build_request(task: Task, data: list[dict], idx: int, tokenizer, max_len: int | None) -> Request:
+    item = data[idx]
+    shots = [data[i] for i in fewshot_indices(idx, len(data), task.num_fewshot)]
+    render = {"multiple_choice": render_multiple_choice, "schema": render_schema,
+              "language_modeling": render_language_modeling}[task.task_type]
+    tokens = tokenizer.encode(render(item, task.delimiter, shots), prepend=tokenizer.get_bos_token_id())
+    seqs, starts, ends = scored_regions(task.task_type, tokens)
+    cut = [truncate_left(s, a, b, max_len) for s, a, b in zip(seqs, starts, ends)]
+    return Request([c[0] for c in cut], [c[1] for c in cut], [c[2] for c in cut], item.get("gold"))
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions
+# ---------------------------------------------------------------------------------------------
+# scored[i] = (losses, greedy) of sequence i: losses[t] = -log p(seq[t+1] | seq[:t+1]),
+# greedy[t] = the argmax prediction for seq[t+1].
+
+def region_mean_losses(request: Request, scored) -> list[float]:
+    return [float(np.mean(np.asarray(losses, dtype=np.float64)[s - 1:e - 1]))
+            for (losses, _), s, e in zip(scored, request.starts, request.ends)]
+
+
+def is_correct(task_type: str, request: Request, scored) -> bool:
+    if task_type == "language_modeling":
+        (_, greedy), seq = scored[0], request.sequences[0]
+        s, e = request.starts[0], request.ends[0]
+        return bool(np.array_equal(np.asarray(greedy)[s - 1:e - 1], np.asarray(seq[s:e])))
+    means = region_mean_losses(request, scored)
+    return means.index(min(means)) == request.gold
+
+
+def centered_accuracy(accuracy: float, random_baseline_percent: float) -> float:
+    rb = 0.01 * random_baseline_percent
+    return (accuracy - rb) / (1.0 - rb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring through inference.py, with a secret sample kept for verification
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    """An example drawn for verification, with what inference.py answered for it."""
+    task: Task
+    request: Request
+    claimed: list  # (losses, greedy) per sequence
+
+
+def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[dict]], max_len: int | None,
+                  examples_per_call: int = EXAMPLES_PER_CALL, log=print, rank: int = 0, world_size: int = 1,
+                  verify_fraction: float = VERIFY_FRACTION, rng: random.Random | None = None
+                  ) -> tuple[dict, list[Sample]]:
+    """Accuracy, centered accuracy and time per task, and CORE; plus the secret sample for
+    verification. score(sequences) -> [(losses, greedy)]. Under torchrun each rank scores every
+    world_size-th example (as nanochat strides them) and the counts are summed."""
+    rng = rng or random.SystemRandom()
+    results, samples, total_t0 = {}, [], time.time()
+    for task in tasks:
+        t0 = time.time()
+        data = examples[task.label]
+        if len(data) <= task.num_fewshot:
+            raise CoreError(f"task {task.label!r} has {len(data)} examples, too few for {task.num_fewshot} shots")
+        mine = list(range(rank, len(data), world_size))
+        wanted = 0 if verify_fraction <= 0 else min(len(mine), max(VERIFY_MIN_EXAMPLES,
+                                                                    math.ceil(verify_fraction * len(mine))))
+        drawn = set(rng.sample(mine, wanted))
+        correct = 0
+        for lo in range(0, len(mine), examples_per_call):
+            chunk = mine[lo:lo + examples_per_call]
+            requests = [build_request(task, data, i, tokenizer, max_len) for i in chunk]
+            scored = score([s for r in requests for s in r.sequences])
+            k = 0
+            for i, r in zip(chunk, requests):
+                answer = scored[k:k + len(r.sequences)]
+                k += len(r.sequences)
+                correct += is_correct(task.task_type, r, answer)
+                if i in drawn:
+                    samples.append(Sample(task, r, answer))
+        if world_size > 1:
+            import torch.distributed as dist
+            total = torch.tensor([correct], dtype=torch.long)
+            dist.all_reduce(total)
+            correct = int(total.item())
+        accuracy = correct / len(data)
+        centered = centered_accuracy(accuracy, task.random_baseline)
+        seconds = time.time() - t0
+        results[task.label] = {"accuracy": accuracy, "centered": centered, "correct": correct, "examples": len(data),
+                               "random_baseline": task.random_baseline, "task_type": task.task_type,
+                               "num_fewshot": task.num_fewshot, "seconds": seconds}
+        log(f"{task.label:<34} accuracy: {accuracy:.4f} | centered: {centered:.4f} | "
+            f"examples: {len(data):>5} | time: {seconds:.2f}s")
+    core = sum(r["centered"] for r in results.values()) / len(results)
+    return ({"core": core, "tasks": results, "seconds": time.time() - total_t0,
+             "examples": sum(r["examples"] for r in results.values()), "world_size": world_size}, samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification: the sample again, through the trusted path
+# ---------------------------------------------------------------------------------------------
+
+def trusted_log_probs(forward: ModelForward, sequences: list[list[int]], ids: list[np.ndarray], pad_id: int,
+                      deadline: float | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For each sequence of n tokens, (log-softmax at ids[i] [n - 1, k], the largest log-softmax
+    [n - 1]) at positions 0..n-2, computed here in fp32 from the model worker's logits. Sequences
+    are sorted by length and right-padded to a bucket (a causal model never sees the padding)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    batches = [order[i:i + forward.batch_size] for i in range(0, len(order), forward.batch_size)]
+    out: list = [None] * len(sequences)
+    queue: list = []
+
+    def take():
+        batch = queue.pop(0)
+        logits = torch.from_numpy(forward.result(deadline))
+        if not torch.isfinite(logits).all():
+            raise EvalRefused("the trusted model returned non-finite logits (NaN or inf)")
+        for r, i in enumerate(batch):
+            n = len(sequences[i])
+            x = logits[r, :n - 1]
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            lp = x.gather(-1, torch.from_numpy(ids[i]).long()) - lse
+            out[i] = (lp.numpy(), (x.max(dim=-1).values - lse[:, 0]).numpy())
+
+    for batch in batches:
+        length = -(-len(sequences[batch[-1]]) // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET
+        length = min(length, forward.max_len)
+        rows = np.full((len(batch), length), pad_id, dtype=np.int32)
+        for r, i in enumerate(batch):
+            rows[r, :len(sequences[i])] = sequences[i]
+        if len(queue) == 2:
+            take()
+        forward.submit(rows)
+        queue.append(batch)
+    while queue:
+        take()
+    return out
+
+
+def verify_samples(samples: list[Sample], forward: ModelForward, tokenizer, rng: random.Random,
+                   deadline: float | None = None) -> dict:
+    """Score every sequence of every sampled example through the trusted path and compare with
+    what inference.py answered: each choice's mean loss over its scored region (within
+    VERIFY_LOSS_TOLERANCE), each greedy prediction in a scored region (its trusted log-prob within
+    VERIFY_GREEDY_TOLERANCE of the best), and, on a twin of one sequence per example cut at a secret
+    point of its scored region and continued with other text, every log-prob before the cut
+    (within VERIFY_CAUSAL_TOLERANCE). CoreError on the first disagreement."""
+    vocab = tokenizer.get_vocab_size()
+    secret_ids = np.array(rng.sample(range(vocab - len(SPECIAL_TOKENS)), VERIFY_SECRET_IDS), dtype=np.int64)
+    sequences, ids, where, twins = [], [], {}, []
+    for k, sample in enumerate(samples):
+        for j, seq in enumerate(sample.request.sequences):
+            claimed = np.asarray(sample.claimed[j][1], dtype=np.int64)
+            if claimed.size and (claimed.min() < 0 or claimed.max() >= vocab):
+                raise CoreError(f"inference.py's greedy predictions on task {sample.task.label!r} hold token ids "
+                                f"outside the vocabulary [0, {vocab})")
+            where[k, j] = len(sequences)
+            sequences.append(seq)
+            ids.append(np.concatenate([np.asarray(seq[1:], dtype=np.int64)[:, None], claimed[:, None],
+                                       np.broadcast_to(secret_ids, (len(seq) - 1, VERIFY_SECRET_IDS))], axis=1))
+    originals = len(sequences)
+    for k, sample in enumerate(samples):  # one twin per sampled example
+        j = rng.randrange(len(sample.request.sequences))
+        seq, s, e = sample.request.sequences[j], sample.request.starts[j], sample.request.ends[j]
+        if e <= s:
+            continue
+        cut = rng.randrange(s, e)
+        for _ in range(20):  # other real text: another sampled sequence, differing at the cut
+            donor = sequences[rng.randrange(originals)]
+            if len(donor) > cut and donor[cut] != seq[cut]:
+                tail = (list(donor[cut:]) * (len(seq) // (len(donor) - cut) + 1))[:len(seq) - cut]
+                twins.append((k, j, cut, len(sequences)))
+                sequences.append(list(seq[:cut]) + tail)
+                ids.append(ids[where[k, j]])
+                break
+    trusted = trusted_log_probs(forward, sequences, ids, tokenizer.get_bos_token_id(), deadline)
+    worst = {"loss": 0.0, "greedy": 0.0, "causal": 0.0}
+    decisions_differ = 0
+    for k, sample in enumerate(samples):
+        r, task = sample.request, sample.task
+        mine = [trusted[where[k, j]] for j in range(len(r.sequences))]
+        trusted_scored = [(-lp[:, 0], None) for lp, _ in mine]
+        ours, theirs = region_mean_losses(r, trusted_scored), region_mean_losses(r, sample.claimed)
+        for j, (a, b) in enumerate(zip(ours, theirs)):
+            worst["loss"] = max(worst["loss"], abs(a - b))
+            if abs(a - b) > VERIFY_LOSS_TOLERANCE:
+                raise CoreError(f"inference.py's answer differs from the trusted model on task {task.label!r}: "
+                                f"sequence {j} of an example has mean loss {b:.4f} over its scored region, the "
+                                f"trusted path {a:.4f} (tolerance {VERIFY_LOSS_TOLERANCE}). The inference path "
+                                "must score the trained model")
+        if task.task_type == "language_modeling":
+            (lp, best), s, e = mine[0], r.starts[0], r.ends[0]
+            gap = float((best[s - 1:e - 1] - lp[s - 1:e - 1, 1]).max())
+            worst["greedy"] = max(worst["greedy"], gap)
+            if gap > VERIFY_GREEDY_TOLERANCE:
+                raise CoreError(f"inference.py's greedy predictions differ from the trusted model on task "
+                                f"{task.label!r}: a claimed prediction's log-prob trails the best by {gap:.3f} "
+                                f"nats (tolerance {VERIFY_GREEDY_TOLERANCE}). The inference path must score the "
+                                "trained model")
+            trusted_correct = bool(np.all(lp[s - 1:e - 1, 0] >= best[s - 1:e - 1]))
+        else:
+            trusted_correct = ours.index(min(ours)) == r.gold
+        decisions_differ += trusted_correct != is_correct(task.task_type, r, sample.claimed)
+    for k, j, cut, index in twins:
+        original = trusted[where[k, j]][0]
+        twin = trusted[index][0]
+        columns = [0] + list(range(2, 2 + VERIFY_SECRET_IDS))
+        diff = float(np.abs(twin[:cut, columns] - original[:cut, columns]).max()) if cut else 0.0
+        worst["causal"] = max(worst["causal"], diff)
+        if diff > VERIFY_CAUSAL_TOLERANCE:
+            raise CoreError(f"the trained model is not causal on task {samples[k].task.label!r}: log-probs before "
+                            f"position {cut} changed by {diff:.3g} nats when only later tokens changed (tolerance "
+                            f"{VERIFY_CAUSAL_TOLERANCE})")
+    return {"examples": len(samples), "sequences": originals, "twins": len(twins),
+            "max_abs_loss_diff": worst["loss"], "max_greedy_gap": worst["greedy"],
+            "max_causal_diff": worst["causal"], "decisions_differ_within_tolerance": decisions_differ,
+            "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "greedy": VERIFY_GREEDY_TOLERANCE,
+                           "causal": VERIFY_CAUSAL_TOLERANCE}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+def scoring_device(device_type: str, local_rank: int) -> str:
+    return f"cuda:{local_rank}" if device_type == "cuda" else device_type
+
+
+def official_reasons(bundle: Bundle, tasks: list[Task], all_tasks: list[Task], max_per_task: int,
+                     verify_fraction: float) -> list[str]:
+    """Why a CORE run is not official (empty: it is)."""
+    reasons = []
+    if bundle.sha256 is None:
+        reasons.append(f"a local bundle folder ({bundle.source}), not the pinned archive")
+    elif not bundle.pinned:
+        reasons.append(f"no bundle pin is configured (this archive's sha256 is {bundle.sha256}; pin it with "
+                       "FRONTIER_EVAL_BUNDLE_SHA256)")
+    if verify_fraction <= 0:
+        reasons.append("verification is off (--verify-fraction 0)")
+    if len(tasks) != len(all_tasks):
+        reasons.append(f"{len(tasks)} of {len(all_tasks)} tasks")
+    if max_per_task > 0:
+        reasons.append(f"capped at {max_per_task} examples per task")
+    return reasons
+
+
+def cmd_eval_core(args) -> int:
+    ddp, rank, local_rank, world_size = get_dist_info()
+    if ddp:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")  # only counts and verdicts travel between the harness processes
+    try:
+        return run_eval_core(args, rank, local_rank, world_size)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _agree(ok: bool, message: str, world_size: int) -> None:
+    """Every rank raises if any rank failed (so no rank reports a run another refused)."""
+    if world_size > 1:
+        import torch.distributed as dist
+        verdicts = [None] * world_size
+        dist.all_gather_object(verdicts, (ok, message))
+        failed = [m for good, m in verdicts if not good]
+        if failed:
+            raise CoreError(failed[0])
+    elif not ok:
+        raise CoreError(message)
+
+
+def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
+    from harness.common import detect_device_type
+    from harness.tokenizer import ensure_tokenizer
+    device = scoring_device(args.device or detect_device_type(), local_rank)
+    inference_py = Path(args.inference_py)
+    train_py = Path(args.train_py) if args.train_py else inference_py.resolve().parent / "train.py"
+    bundle = ensure_bundle(args.bundle_dir, args.bundle_url) if rank == 0 else None
+    if world_size > 1:
+        import torch.distributed as dist
+        dist.barrier()  # rank 0 downloads; the others then find the archive in the cache
+    bundle = bundle or ensure_bundle(args.bundle_dir, args.bundle_url)
+    all_tasks = load_tasks(bundle)
+    tasks = all_tasks
+    if args.tasks:
+        wanted = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = sorted(set(wanted) - {t.label for t in tasks})
+        if unknown:
+            raise CoreError(f"--tasks: unknown {unknown}; the bundle has {[t.label for t in tasks]}")
+        tasks = [t for t in tasks if t.label in wanted]
+    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), args.max_per_task) for t in tasks}
+    tokenizer = ensure_tokenizer()
+    if args.verify_fraction > 0 and not train_py.is_file():
+        raise CoreError(f"{train_py}: no such file (the train.py whose load_for_eval verifies inference.py; "
+                        "--train-py names it)")
+    rng = random.SystemRandom()  # the secret sample and cut points: unknown to inference.py
+    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    with Worker("scorer", inference_py, args.checkpoint, device, label="inference.py", local_rank=local_rank,
+                tokenizer=tokenizer) as w:
+        max_len = w.info.get("max_seq_len")
+        say(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples each, "
+            f"device {device} x {world_size}, verifying {args.verify_fraction:.0%} of the examples")
+        report, samples = evaluate_core(lambda seqs: score_sequences(w, seqs), tokenizer, tasks, examples, max_len,
+                                        args.examples_per_call, log=say, rank=rank, world_size=world_size,
+                                        verify_fraction=args.verify_fraction, rng=rng)
+    verification, failure = None, ""
+    if args.verify_fraction > 0:
+        longest = max((len(s) for sample in samples for s in sample.request.sequences), default=2)
+        with Worker("model", train_py, args.checkpoint, device, label="train.py", local_rank=local_rank,
+                    tokenizer=tokenizer) as w:
+            forward = ModelForward(w, VERIFY_BATCH_ROWS, -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET,
+                                   tokenizer.get_vocab_size())
+            try:
+                verification = verify_samples(samples, forward, tokenizer, rng)
+            except (CoreError, EvalRefused) as e:
+                failure = str(e)
+            finally:
+                forward.close()
+    _agree(not failure, failure, world_size)
+    if world_size > 1 and verification is not None:
+        import torch.distributed as dist
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, verification)
+        for key in ("examples", "sequences", "twins", "decisions_differ_within_tolerance"):
+            verification[key] = sum(v[key] for v in everyone)
+        for key in ("max_abs_loss_diff", "max_greedy_gap", "max_causal_diff"):
+            verification[key] = max(v[key] for v in everyone)
+    if rank != 0:
+        return 0
+    reasons = official_reasons(bundle, tasks, all_tasks, args.max_per_task, args.verify_fraction)
+    report.update({"official": not reasons, "not_official_because": reasons,
+                   "baselines": "bundle eval_meta_data.csv (CORE v1)", "max_per_task": args.max_per_task,
+                   "device": str(device), "bundle": bundle.source, "bundle_sha256": bundle.sha256,
+                   "checkpoint": str(args.checkpoint), "checkpoint_sha256": sha256_file(Path(args.checkpoint)),
+                   "train_py": str(train_py), "train_py_sha256": sha256_file(train_py) if train_py.is_file() else None,
+                   "inference_py_sha256": sha256_file(inference_py), "tokenizer_sha256": tokenizer.sha256,
+                   "verify": verification})
+    report_path = Path(args.report) if args.report else Path(args.checkpoint).resolve().parent / "core_report.json"
+    atomic_write_json(report_path, report)
+    print("---")
+    print(f"core:                {report['core']:.4f}")
+    print(f"official:            {not reasons}  ({len(tasks)} tasks, {report['examples']} examples"
+          f"{'; not official: ' + '; '.join(reasons) if reasons else ''})")
+    print(f"core_seconds:        {report['seconds']:.1f}")
+    print(f"examples_per_second: {report['examples'] / max(report['seconds'], 1e-9):.1f}")
+    if verification:
+        print(f"verified_examples:   {verification['examples']} ({verification['sequences']} sequences, "
+              f"{verification['twins']} twins)")
+        print(f"verify_max_diff:     {verification['max_abs_loss_diff']:.4f}")
+    print(f"bundle_sha256:       {bundle.sha256 or 'none (a local folder)'}")
+    print(f"report:              {report_path}")
+    return 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--inference-py", required=True, help="the participant's inference.py (defines load_scorer)")
+    parser.add_argument("--checkpoint", required=True, help="the trained checkpoint")
+    parser.add_argument("--train-py", default=None, help="the train.py that wrote it (default: beside inference.py); "
+                                                         "its load_for_eval is the trusted path verification uses")
+    parser.add_argument("--bundle-dir", default=None, help="an unpacked eval bundle (unofficial; default: the pinned "
+                                                           "archive, downloaded and cached)")
+    parser.add_argument("--bundle-url", default=None, help=f"where to download it (default {EVAL_BUNDLE_URL})")
+    parser.add_argument("--max-per-task", type=int, default=-1, help="examples per task after the shuffle (-1: all)")
+    parser.add_argument("--tasks", default=None, help="comma-separated task labels (default: all of core.yaml)")
+    parser.add_argument("--device", default=None, help="neuron, cuda or cpu (default: the fastest present)")
+    parser.add_argument("--examples-per-call", type=int, default=EXAMPLES_PER_CALL,
+                        help="examples handed to score() at once (1: one example per forward, as nanochat)")
+    parser.add_argument("--verify-fraction", type=float, default=VERIFY_FRACTION,
+                        help=f"share of each task's examples re-scored through train.py's load_for_eval, at least "
+                             f"{VERIFY_MIN_EXAMPLES} per task (0: off, and the run is not official)")
+    parser.add_argument("--report", default=None, help="JSON report path (default: core_report.json beside the "
+                                                       "checkpoint)")
+    parser.set_defaults(func=cmd_eval_core)

@@ -1,0 +1,479 @@
+"""The official metric, evaluate_bpb, and the load-contract checks that come with it.
+
+val_bpb = total_nats / (ln 2 * total_bytes) over a fixed list of validation rows (BOS-aligned
+best-fit rows of EVAL_SEQ_LEN + 1 tokens, in file order), with cross-entropy recomputed here in
+fp32 from the logits the model returns, targets of byte length 0 (special tokens) left out.
+
+The model is untrusted, so the contract is checked on the same kind of rows that are scored:
+- probes are twins of scored rows, drawn after the fact from a secret per-run seed: the same row
+  with everything from a secret cut point on replaced by other real validation text (causality:
+  every log-prob before the cut must agree), or the same row again in another batch (batch
+  independence); cut points run through every position of the row over a run;
+- probe rows travel in batches of the scoring shape, at secret points of the run, and fill the
+  padding of a short last batch, so the model cannot tell them from scored rows without
+  remembering what it saw;
+- one scored batch is replayed exactly (the same batch twice gives the same result), and one row
+  runs alone (the batch size must not matter, up to rounding);
+- tolerances are absolute, on log-softmax values, chosen by the compute dtype; compared are the
+  log-prob of the row's own target and of a few secret token ids at every position.
+The comparisons use log-softmax values computed here from logits the model returned, so a value
+the model controls (like the size of its largest logit) never widens a tolerance.
+
+Two ways in: the command line (`prepare.py eval-public` / `eval`) runs the participant's model in
+a separate worker process (harness/worker.py) and is the official number; evaluate_bpb(model, ...)
+runs a model in the caller's process, for train.py's own end-of-run figure (informational: the
+participant's code shares that process). Both use the same rows, checks and arithmetic, so an
+honest model gets the same number from both. Under torchrun, rows are strided over ranks and the
+per-row sums are gathered and added in row order: the same number at any world size.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harness.common import DataError, EvalRefused, HarnessError, get_dist_info
+from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS
+from harness.data import check_shard, split_shards
+from harness.loader import _pack_rows, _shard_document_batches, _tokenized_documents
+from harness.tokenizer import Tokenizer, get_token_bytes
+from harness.worker import ModelForward, Worker, WorkerTimeout, logits_array
+
+# Absolute tolerances on log-softmax values (nats), by the model's compute dtype. "same shape":
+# the same row in another batch of the same shape, or before a cut: the same computation on the
+# same numbers, so an honest model differs by kernel nondeterminism at most. "batch size": the
+# row alone instead of in a batch of B: other kernels, other rounding.
+TOLERANCE_NATS = {
+    "float32": {"same_shape": 1e-4, "batch_size": 1e-3},
+    "bfloat16": {"same_shape": 1e-3, "batch_size": 0.1},
+    "float16": {"same_shape": 1e-3, "batch_size": 0.1},
+}
+PROBE_FRACTION = 1 / 16  # twins per scored row (the official 20,480 rows get 1,280: every position is a cut)
+MIN_PROBES = 16  # at least this many twins, however few rows are scored
+REPEAT_SHARE = 0.25  # of the twins, this share repeats the whole row (no cut): batch independence
+SECRET_TOKEN_IDS = 8  # token ids compared at every position, besides the row's own target
+PROBE_BATCH_CHANCE = 0.5  # after a scored batch, the chance that a full batch of waiting twins goes next
+
+
+@dataclass
+class Probe:
+    row: int  # index into this rank's rows
+    cut: int  # positions [0, cut) must agree; cut == seq_len: the whole row (a repeat)
+    inputs: np.ndarray  # int32 [seq_len]: the row's inputs up to the cut, other text after it
+
+
+@dataclass
+class CheckLog:
+    """What the checks compared: the worst difference of each kind, and the count."""
+    worst: dict = field(default_factory=lambda: {"causality": 0.0, "batch_content": 0.0, "replay": 0.0,
+                                                 "batch_size": 0.0})
+    probes: int = 0
+    cut_positions: set = field(default_factory=set)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+# ---------------------------------------------------------------------------------------------
+
+def evaluation_rows(tokenizer: Tokenizer, seq_len: int, max_tokens: int, shards: list[Path]) -> np.ndarray:
+    """The fixed rows of an evaluation: int32 [rows, seq_len + 1], BOS-aligned best-fit packing of
+    the shards' documents in file order, at most max_tokens // seq_len rows."""
+    max_rows = max_tokens // seq_len
+    if max_rows < 1:
+        raise ValueError(f"max_tokens={max_tokens} is less than one row of seq_len={seq_len}")
+    for path in shards:
+        check_shard(path)
+    docs = _tokenized_documents(_shard_document_batches(shards), tokenizer, num_threads=4)
+    rows = []
+    for row, _ in _pack_rows(docs, seq_len + 1, buffer_size=1000):
+        rows.append(row)
+        if len(rows) == max_rows:
+            break
+    if not rows:
+        raise DataError(f"no bytes were scored: the validation data ({', '.join(map(str, shards))}) holds no "
+                        f"complete row of {seq_len + 1} tokens")
+    return np.stack(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forwards: the model in this process, or in a worker
+# ---------------------------------------------------------------------------------------------
+
+class LocalForward:
+    """model(rows) in this process (the informational path). The model gets a private copy of its
+    inputs; the logits come back as a private float32 array, checked like the worker's."""
+
+    def __init__(self, model, device, vocab_size: int):
+        self.model, self.device, self.vocab = model, torch.device(device), vocab_size
+        self.pending: collections.deque = collections.deque()
+
+    def submit(self, rows: np.ndarray) -> None:
+        x = torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device)
+        with torch.no_grad():
+            out = self.model(x)
+        self.pending.append(np.array(logits_array(out, x.shape[0], x.shape[1], self.vocab), copy=True))
+
+    def result(self, deadline: float | None = None) -> np.ndarray:
+        return self.pending.popleft()
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring with the checks
+# ---------------------------------------------------------------------------------------------
+
+def _log_probs_at(logits: np.ndarray, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-softmax at index [n, T, k], every value finite?) computed in fp32 from logits [n, T, V]."""
+    x = torch.from_numpy(logits)
+    finite = bool(torch.isfinite(x).all())
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    return x.gather(-1, torch.from_numpy(index).long()) - lse, torch.tensor(finite)
+
+
+def _compare(kind: str, got: torch.Tensor, ref: torch.Tensor, tol: float, checks: CheckLog, what: str) -> None:
+    diff = float((got - ref).abs().max()) if got.numel() else 0.0
+    checks.worst[kind] = max(checks.worst[kind], diff)
+    if diff > tol:
+        messages = {
+            "causality": "log-probs before a cut point changed when the tokens after it changed (and the row ran in "
+                         "another batch): the model is not causal, or its rows interact (logits at position t must "
+                         "depend only on tokens 0..t of their own row)",
+            "batch_content": "a row's log-probs changed when the row ran in another batch: rows must not interact",
+            "replay": "the same batch gave different log-probs the second time: the forward must be a pure function",
+            "batch_size": "a row's log-probs changed when it ran alone instead of in a batch: the output must not "
+                          "depend on the batch size",
+        }
+        raise EvalRefused(f"{messages[kind]} ({what}: max |difference| {diff:.3g} nats, tolerance {tol:.3g})")
+
+
+@dataclass
+class Batch:
+    """One forward: scored rows (indices into the rows), then probes, in that order."""
+    rows: list[int]
+    probes: list[Probe]
+    inputs: np.ndarray  # int32 [n, seq_len]
+    purpose: str = "score"  # score, replay (a scored batch sent again) or alone (one row, batch size 1)
+    keep: bool = False  # keep this batch's log-probs: it will be replayed
+
+
+class _Scorer:
+    """This rank's rows and the secret probes, through a forward (at most two in flight); keeps the
+    per-row sums and raises EvalRefused at the first broken check."""
+
+    def __init__(self, forward, rows: np.ndarray, token_bytes: np.ndarray, batch_size: int, tolerances: dict,
+                 num_ordinary: int, deadline: float, rng: np.random.Generator):
+        self.forward, self.rows, self.B, self.tol = forward, rows, batch_size, tolerances
+        self.T = rows.shape[1] - 1
+        self.token_bytes, self.deadline, self.rng = token_bytes, deadline, rng
+        self.secret_ids = rng.choice(num_ordinary, size=SECRET_TOKEN_IDS, replace=False).astype(np.int64)
+        self.nats = np.zeros(len(rows), dtype=np.float64)
+        self.bytes = np.zeros(len(rows), dtype=np.int64)
+        self.tokens = np.zeros(len(rows), dtype=np.int64)
+        self.checks = CheckLog()
+        self.planned = self._plan_probes()  # row -> its twins, released when the row is scored
+        self.references: dict[int, torch.Tensor] = {}  # row -> log-probs at its compare ids [T, 1 + K]
+        self.ready: list[Probe] = []
+        self.in_flight: collections.deque[Batch] = collections.deque()
+        self.replayed: tuple[Batch, torch.Tensor] | None = None
+
+    # --- the secret plan ------------------------------------------------------------------------
+
+    def _plan_probes(self) -> dict[int, list[Probe]]:
+        """Which rows get twins, their cut points (a shuffled cycle over every position, so a run
+        with at least seq_len - 1 twins cuts everywhere) and the other text after each cut."""
+        R, T = len(self.rows), self.T
+        count = max(MIN_PROBES, math.ceil(R * PROBE_FRACTION))
+        cycle = self.rng.permutation(np.arange(1, T)) if T > 1 else np.zeros(0, dtype=np.int64)
+        plan: dict[int, list[Probe]] = collections.defaultdict(list)
+        k = 0
+        for row in self.rng.choice(R, size=count, replace=count > R).tolist():
+            twin = None
+            if len(cycle) and self.rng.random() >= REPEAT_SHARE:
+                cut = int(cycle[k % len(cycle)])
+                k += 1
+                twin = self._twin(row, cut)
+            plan[row].append(Probe(row, cut, twin) if twin is not None else self._repeat(row))
+        return plan
+
+    def _twin(self, row: int, cut: int) -> np.ndarray | None:
+        """The row's inputs before cut, then real text from other rows: the same positions of another
+        row if its token at the cut differs from this row's, else a stretch of two other rows whose
+        first token differs. So a model that reads ahead shows it at position cut - 1."""
+        inputs, R, T = self.rows[row, :self.T], len(self.rows), self.T
+        for donor in self.rng.permutation(R)[:64].tolist():
+            if donor == row:
+                continue
+            if self.rows[donor, cut] != inputs[cut]:
+                return np.concatenate([inputs[:cut], self.rows[donor, cut:T]])
+            text = self.rows[[donor, (donor + 1) % R], :T].reshape(-1)
+            for start in self.rng.integers(0, T, size=8).tolist():
+                if text[start] != inputs[cut]:
+                    return np.concatenate([inputs[:cut], text[start:start + T - cut]])
+        return None
+
+    def _repeat(self, row: int) -> Probe:
+        return Probe(row, self.T, self.rows[row, :self.T].copy())
+
+    def _take_ready(self, count: int) -> list[Probe]:
+        """Up to count waiting twins, picked at random."""
+        count = min(count, len(self.ready))
+        picks = sorted(self.rng.choice(len(self.ready), size=count, replace=False).tolist(), reverse=True)
+        return [self.ready.pop(i) for i in picks]
+
+    # --- forwards -------------------------------------------------------------------------------
+
+    def _submit(self, batch: Batch) -> None:
+        if len(self.in_flight) == 2:
+            self._collect()
+        self.forward.submit(batch.inputs)
+        self.in_flight.append(batch)
+
+    def _drain(self) -> None:
+        while self.in_flight:
+            self._collect()
+
+    def _collect(self) -> None:
+        batch = self.in_flight.popleft()
+        logits = self.forward.result(self.deadline)
+        if time.monotonic() > self.deadline:
+            raise WorkerTimeout("past the evaluation's time limit")
+        own = [self.rows[r, 1:] for r in batch.rows] + [self.rows[p.row, 1:] for p in batch.probes]
+        targets = np.stack(own)  # a twin is compared at its original row's targets
+        ids = np.concatenate([targets[..., None].astype(np.int64),
+                              np.broadcast_to(self.secret_ids, (*targets.shape, SECRET_TOKEN_IDS))], axis=-1)
+        lp, finite = _log_probs_at(logits, ids)
+        if not finite:
+            raise EvalRefused("model(inputs) returned non-finite logits (NaN or inf)")
+        if batch.purpose == "replay":
+            return _compare("replay", lp, self.replayed[1], self.tol["same_shape"], self.checks,
+                            "a scored batch sent a second time")
+        if batch.purpose == "alone":
+            return _compare("batch_size", lp[0], self.references[batch.rows[0]], self.tol["batch_size"], self.checks,
+                            "a row run as a batch of 1")
+        here = {}
+        for i, row in enumerate(batch.rows):
+            nbytes = self.token_bytes[targets[i]]
+            counted = torch.from_numpy(nbytes > 0)
+            self.nats[row] = -float(lp[i, :, 0][counted].double().sum())
+            self.bytes[row] = int(nbytes.sum())
+            self.tokens[row] = int(counted.sum())
+            here[row] = lp[i]
+            if row in self.planned:
+                self.references[row] = lp[i].clone()
+                self.ready.extend(self.planned.pop(row))
+        for i, probe in enumerate(batch.probes, start=len(batch.rows)):
+            ref = here.get(probe.row, self.references.get(probe.row))
+            whole = probe.cut == self.T
+            _compare("batch_content" if whole else "causality", lp[i, :probe.cut], ref[:probe.cut],
+                     self.tol["same_shape"], self.checks,
+                     "a row sent again in another batch" if whole else f"a row cut at position {probe.cut}")
+            self.checks.probes += 1
+            if not whole:
+                self.checks.cut_positions.add(probe.cut)
+        if batch.keep:
+            self.replayed = (batch, lp.clone())
+
+    # --- the run --------------------------------------------------------------------------------
+
+    def _fill(self, probes: list[Probe], rows: list[int], size: int) -> list[Probe]:
+        """probes, padded to size with repeats of `rows` (or of rows already scored)."""
+        pool = rows or sorted(self.references)
+        return probes + [self._repeat(int(r)) for r in self.rng.choice(pool, size=size - len(probes))]
+
+    def _inputs(self, rows: list[int], probes: list[Probe]) -> np.ndarray:
+        return np.concatenate([self.rows[rows, :self.T]] + [p.inputs[None] for p in probes])
+
+    def run(self) -> None:
+        R, B = len(self.rows), self.B
+        batches = [list(range(i, min(i + B, R))) for i in range(0, R, B)]
+        replay_at = int(self.rng.integers(len(batches)))
+        for j, rows in enumerate(batches):
+            padding = self._fill(self._take_ready(B - len(rows)), rows, B - len(rows))
+            self._submit(Batch(rows, padding, self._inputs(rows, padding), keep=j == replay_at))
+            if len(self.ready) >= B and self.rng.random() < PROBE_BATCH_CHANCE:
+                probes = self._take_ready(B)
+                self._submit(Batch([], probes, self._inputs([], probes)))
+        self._drain()
+        while self.ready:
+            probes = self._fill(self._take_ready(B), [], B)
+            self._submit(Batch([], probes, self._inputs([], probes)))
+        self._drain()
+        replayed = self.replayed[0]
+        self._submit(Batch(replayed.rows, replayed.probes, replayed.inputs, purpose="replay"))
+        alone = int(self.rng.choice(sorted(self.references)))
+        self._submit(Batch([alone], [], self.rows[[alone], :self.T], purpose="alone"))
+        self._drain()
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation
+# ---------------------------------------------------------------------------------------------
+
+def tolerances_for(compute_dtype: str | None) -> dict:
+    """The tolerance row for a compute dtype (bf16's when the model does not say)."""
+    return TOLERANCE_NATS.get(compute_dtype or "bfloat16", TOLERANCE_NATS["bfloat16"])
+
+
+def _gloo_group():
+    """A CPU process group for the harness's own sums: the default one if it is gloo, else a new gloo
+    group (created once, on every rank: evaluate_bpb is called on every rank under torchrun)."""
+    import torch.distributed as dist
+    global _GLOO
+    if dist.get_backend() == "gloo":
+        return None
+    if _GLOO is None:
+        _GLOO = dist.new_group(backend="gloo")
+    return _GLOO
+
+
+_GLOO = None
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) of the running process group, (0, 1) without one."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_outcome(outcome: dict, world: int) -> list[dict]:
+    if world == 1:
+        return [outcome]
+    import torch.distributed as dist
+    gathered = [None] * world
+    dist.all_gather_object(gathered, outcome, group=_gloo_group())
+    return gathered
+
+
+def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, timeout_seconds: float,
+          compute_dtype: str | None, t0: float) -> dict:
+    """Score the rows of this rank (strided over the process group, if any) with the checks, gather
+    every rank's per-row sums and add them in row order. EvalRefused on every rank if any rank
+    found a broken check."""
+    rank, world = _distributed()
+    mine = np.arange(rank, len(rows), world)
+    vocab = tokenizer.get_vocab_size()
+    token_bytes = get_token_bytes("cpu", tokenizer).numpy().astype(np.int64)
+    scorer = _Scorer(forward, rows[mine], token_bytes, batch_size, tolerances_for(compute_dtype),
+                     vocab - len(SPECIAL_TOKENS), time.monotonic() + timeout_seconds - (time.time() - t0),
+                     np.random.default_rng(secrets.randbits(128)))
+    status, message = "ok", ""
+    try:
+        scorer.run()
+    except EvalRefused as e:
+        status, message = "refused", str(e)
+    except WorkerTimeout:
+        status = "timeout"
+    outcome = {"status": status, "message": message, "rows": mine, "nats": scorer.nats, "bytes": scorer.bytes,
+               "tokens": scorer.tokens, "worst": scorer.checks.worst, "probes": scorer.checks.probes,
+               "cuts": sorted(scorer.checks.cut_positions)}
+    everyone = _gather_outcome(outcome, world)
+    refused = [o["message"] for o in everyone if o["status"] == "refused"]
+    if refused:
+        raise EvalRefused(refused[0])
+    over = any(o["status"] == "timeout" for o in everyone)
+    nats = np.zeros(len(rows), dtype=np.float64)
+    nbytes = np.zeros(len(rows), dtype=np.int64)
+    tokens = np.zeros(len(rows), dtype=np.int64)
+    for o in everyone:
+        nats[o["rows"]], nbytes[o["rows"]], tokens[o["rows"]] = o["nats"], o["bytes"], o["tokens"]
+    total_nats, total_bytes = float(math.fsum(nats.tolist())), int(nbytes.sum())
+    seconds = time.time() - t0
+    over = over or seconds > timeout_seconds
+    bpb = total_nats / (math.log(2) * total_bytes) if total_bytes else float("nan")
+    worst = {k: max(o["worst"][k] for o in everyone) for k in everyone[0]["worst"]}
+    return {"val_bpb": float("nan") if over else bpb, "partial_val_bpb": bpb if over else None,
+            "total_nats": total_nats, "total_bytes": total_bytes, "tokens": int(tokens.sum()), "rows": len(rows),
+            "seq_len": rows.shape[1] - 1, "batch_size": batch_size, "eval_seconds": seconds,
+            "eval_timeout": timeout_seconds, "eval_over_timeout": over, "world_size": world,
+            "causality_passed": True, "causality_max_abs_diff": max(worst["causality"], worst["batch_content"]),
+            "batch_size_max_abs_diff": worst["batch_size"], "replay_max_abs_diff": worst["replay"],
+            "probes": sum(o["probes"] for o in everyone),
+            "cut_positions": len(set().union(*(o["cuts"] for o in everyone))),
+            "tolerances": tolerances_for(compute_dtype), "compute_dtype": compute_dtype or "unknown"}
+
+
+def _eval_shards(split: str, shard_path) -> list[Path]:
+    shards = [Path(shard_path)] if shard_path is not None else split_shards(split)
+    for path in shards:
+        if not path.is_file():
+            raise HarnessError(f"{path}: no such shard")
+    return shards
+
+
+def evaluate_bpb(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, split: str = "public_val",
+                 max_tokens: int = EVAL_TOKENS, timeout_seconds: float = EVAL_TIMEOUT_SECONDS, *,
+                 shard_path=None) -> dict:
+    """Validation bits per byte of a model in this process (train.py's end-of-run figure): the same
+    rows, checks and arithmetic as the official command line, which runs the model in a worker
+    process. Under torchrun call it on every rank with the same arguments: the rows are shared out
+    and the result is the same on every rank and at every world size. EvalRefused if the model
+    breaks the load contract; past timeout_seconds, eval_over_timeout and val_bpb = nan."""
+    t0 = time.time()
+    if hasattr(model, "eval"):
+        model.eval()
+    shards = _eval_shards(split, shard_path)
+    rows = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
+    dtype = getattr(model, "compute_dtype", None)
+    forward = LocalForward(model, device, tokenizer.get_vocab_size())
+    result = score(forward, rows, tokenizer, batch_size, timeout_seconds,
+                   str(dtype).replace("torch.", "") if dtype is not None else None, t0)
+    result.update(max_tokens=max_tokens, split=split if shard_path is None else "shard",
+                  shards=[str(p) for p in shards], isolated=False)
+    return result
+
+
+def evaluate_checkpoint(train_py, checkpoint, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, *,
+                        split: str = "public_val", max_tokens: int = EVAL_TOKENS,
+                        timeout_seconds: float = EVAL_TIMEOUT_SECONDS, shard_path=None, local_rank: int = 0,
+                        label: str = "worker") -> dict:
+    """The official evaluation: train.py's load_for_eval(checkpoint) runs in a worker process, which
+    sees only the input rows; everything else happens here. The clock starts once the model is
+    loaded (loading has its own limit)."""
+    shards = _eval_shards(split, shard_path)
+    rows = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
+    with Worker("model", train_py, checkpoint, device, label=label, local_rank=local_rank,
+                tokenizer=tokenizer) as worker:
+        t0 = time.time()
+        forward = ModelForward(worker, batch_size, seq_len, tokenizer.get_vocab_size())
+        try:
+            result = score(forward, rows, tokenizer, batch_size, timeout_seconds,
+                           worker.info.get("compute_dtype"), t0)
+        finally:
+            forward.close()
+    result.update(max_tokens=max_tokens, split=split if shard_path is None else "shard",
+                  shards=[str(p) for p in shards], isolated=True)
+    return result
+
+
+def causality_check(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, max_rows: int = 32,
+                    split: str = "public_val") -> dict:
+    """The load contract, checked on up to max_rows real rows of public_val in this process, with
+    the same secret probes as evaluate_bpb (twins at secret cuts, repeats, a replayed batch, a row
+    alone). Returns `passed`, `max_abs_diff` (the worst same-shape difference, in nats of
+    log-softmax), each kind's worst difference and a message. No collectives: every rank may call it."""
+    if hasattr(model, "eval"):
+        model.eval()
+    rows = evaluation_rows(tokenizer, seq_len, max_rows * seq_len, split_shards(split))
+    dtype = getattr(model, "compute_dtype", None)
+    dtype = str(dtype).replace("torch.", "") if dtype is not None else None
+    scorer = _Scorer(LocalForward(model, device, tokenizer.get_vocab_size()), rows,
+                     get_token_bytes("cpu", tokenizer).numpy().astype(np.int64), max(1, batch_size),
+                     tolerances_for(dtype), tokenizer.get_vocab_size() - len(SPECIAL_TOKENS),
+                     time.monotonic() + EVAL_TIMEOUT_SECONDS, np.random.default_rng(secrets.randbits(128)))
+    message = "ok"
+    try:
+        scorer.run()
+    except EvalRefused as e:
+        message = str(e)
+    worst = scorer.checks.worst
+    return {"passed": message == "ok", "max_abs_diff": max(worst["causality"], worst["batch_content"], worst["replay"]),
+            "causal_max_abs_diff": worst["causality"], "batch_content_max_abs_diff": worst["batch_content"],
+            "batch_size_max_abs_diff": worst["batch_size"], "replay_max_abs_diff": worst["replay"],
+            "probes": scorer.checks.probes, "tolerances": tolerances_for(dtype), "message": message}
