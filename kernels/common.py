@@ -3,6 +3,7 @@ versions the kernels follow, the tile limits, the one launcher, and the rule tha
 the PyTorch reference."""
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import re
@@ -49,6 +50,7 @@ def logical_core_count() -> int:
     return int(value)
 
 
+@functools.cache  # pick_kernel asks on every call; the package metadata lookup is slow
 def installed_nki_version() -> str | None:
     try:
         return importlib.metadata.version("nki")

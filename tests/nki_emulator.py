@@ -51,7 +51,7 @@ PAGES = {
     "language_guide": DOCS + "nki/get-started/nki-language-guide.html",  # tensors, views, indexing
     "tiling": DOCS + "nki/get-started/about/tiling-overview.html",
     "lnc": DOCS + "nki/get-started/about/lnc.html",
-    "jit": DOCS + "nki/api/generated/nki.jit.html",
+    "jit": "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/api/generated/nki.jit.html",
     "evrf066": DOCS + "compiler/error-codes/EVRF066.html",
     "simulator": DOCS + "nki/guides/nki_simulator.html",
     "simulate": DOCS + "nki/api/generated/nki.simulate.html",
@@ -70,7 +70,7 @@ PAGES = {
     "reciprocal": DOCS + "nki/api/generated/nki.isa.reciprocal.html",
 }
 
-EMULATED_VERSION = "0.4.0"  # the competition environment's nki; the pages above agree with it on everything modelled
+EMULATED_VERSION = "0.4.0"  # reported as nki.__version__: the competition environment's, which the kit targets
 PMAX = 128  # partitions per on-chip tile (nl.tile_size.pmax) [tiling, tile_size]
 SBUF_PARTITION_BYTES = 28 * 2**20 // PMAX  # 224 KiB: NeuronCore-v3 has 28 MiB of SBUF [trn3_arch]
 PSUM_PARTITION_BYTES = 2 * 2**20 // PMAX  # 16 KiB: 2 MiB of PSUM, 8 banks of 2 KiB per partition [tile_size]
@@ -193,7 +193,8 @@ class Tensor:
                 continue
             start, stop, step = k.start or 0, n if k.stop is None else k.stop, k.step or 1
             if not (0 <= start < stop <= n) or step < 1:
-                fail("language_guide", f"slice {start}:{stop}:{step} of dim {dim} is empty or outside size {n} ({self})")
+                fail("language_guide", f"slice {start}:{stop}:{step} of dim {dim} is empty or outside size {n} "
+                                       f"({self})")
             index.append(slice(start, stop, step))
             if on_chip and dim == 0:
                 lane0 += start
@@ -234,7 +235,7 @@ def ndarray(shape, dtype, buffer=None, name=""):
             storage = p.shared[p.shared_next]
             if tuple(storage.base.shape) != shape or storage.base.dtype != dtype:
                 fail("lnc", f"instance {p.pid} allocates shared_hbm {shape} {dtype} where instance 0 allocated "
-                            f"{tuple(storage.base.shape)} {storage.base.dtype}: the instances must run the same program")
+                            f"{tuple(storage.base.shape)} {storage.base.dtype}: the instances run the same program")
         else:
             storage = Storage(_sentinel(shape, dtype), buffer)
             p.shared.append(storage)

@@ -149,7 +149,8 @@ def relu2_case(shape, dtype):
         xd = x.to(dev).requires_grad_()
         y = kit.train.relu_squared_nki(xd)
         return y, _grad(y, xd, g.to(dev))
-    return run, [(T.relu2_forward_reference(x.float()), dtype), (T.relu2_backward_reference(x.float(), g.float()), dtype)]
+    return run, [(T.relu2_forward_reference(x.float()), dtype),
+                 (T.relu2_backward_reference(x.float(), g.float()), dtype)]
 
 
 def rmsnorm_case(shape, dtype, eps=1e-6):
@@ -348,7 +349,8 @@ def softcap_lse_kernel_before_the_fix(nki, nl, nisa):
 def test_the_softcap_ce_comparison_fails_on_the_kernel_before_the_fix(kit, monkeypatch):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")  # the old kernel had no row split either
     check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")  # the fixed kernel passes ...
-    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", softcap_lse_kernel_before_the_fix(kit.nki, kit.nl, kit.nisa))
+    old_kernel = softcap_lse_kernel_before_the_fix(kit.nki, kit.nl, kit.nisa)
+    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", old_kernel)
     with pytest.raises(AssertionError, match="max abs diff"):  # ... and the same check fails on the old one
         check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")
 
@@ -356,7 +358,8 @@ def test_the_softcap_ce_comparison_fails_on_the_kernel_before_the_fix(kit, monke
 @pytest.mark.skipif(REAL_NKI is not None, reason="the race check is the emulator's")
 def test_a_kernel_without_the_row_split_is_caught_on_two_cores(kit, monkeypatch):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", softcap_lse_kernel_before_the_fix(kit.nki, kit.nl, kit.nisa))
+    old_kernel = softcap_lse_kernel_before_the_fix(kit.nki, kit.nl, kit.nisa)
+    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", old_kernel)
     with pytest.raises(nki_emulator.EmulatorError, match="both write"):
         check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")
 

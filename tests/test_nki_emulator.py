@@ -408,7 +408,8 @@ def test_rules_fail_with_the_page_they_come_from(em, case, message):
             nisa.reciprocal(dst=load(nl, nisa, x), data=x)
         elif case == "reduce_axis":
             tile = nl.ndarray((4, 2, 2), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.sbuf), op=nl.add, data=tile, axis=(1,))
+            dst = nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=dst, op=nl.add, data=tile, axis=(1,))
         return x
 
     with pytest.raises(emu.EmulatorError, match=message) as info:
@@ -446,7 +447,11 @@ def test_loops_run_every_iteration_in_order(nk):
         return out
 
     same(run(nk, kernel, x), t([[0.0, 1.0, 3.0, 6.0, 10.0, 15.0]]))
-    assert list(nk.nl.affine_range(2, 8, 3)) == [2, 5] if nk.name == "emulator" else True
+
+
+def test_ranges_take_start_stop_and_step(em):
+    assert list(em.nl.affine_range(4)) == [0, 1, 2, 3] and list(em.nl.affine_range(2, 8, 3)) == [2, 5]
+    assert list(em.nl.sequential_range(1, 4)) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("grid", [1, 2])
