@@ -19,9 +19,10 @@ except ImportError:
     nki = nisa = nl = None
     HAS_NKI = False
 
-# The nki releases whose API and documented semantics the kernels follow: 0.4 (Neuron 2.30, the
-# competition environment) to 0.7 (Neuron 2.33). 0.4 brought the tile_size constants used here; 0.7
-# rejects a launch whose logical core count differs from the compiler's, which the launcher avoids.
+# The nki releases whose API and documented semantics the kernels were written against: 0.4 (Neuron
+# 2.30, the competition environment) to 0.7 (Neuron 2.33, which rejects a launch whose logical core
+# count differs from the compiler's; the launcher always matches them). Other releases may rename or
+# change what the kernels call.
 NKI_VERSIONS = ((0, 4), (0, 7))
 PARTITIONS = 128  # rows per tile: SBUF and PSUM have 128 partitions
 SBUF_BUDGET_BYTES = 160 * 1024  # per partition, of the 224 KiB on trn2: what one tile's working set may use
