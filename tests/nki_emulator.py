@@ -462,7 +462,7 @@ class ReduceCmd(enum.Enum):
 reduce_cmd = ReduceCmd
 
 
-# --- what the instructions share-------------------------------------------------------------------------
+# --- what the instructions share -----------------------------------------------------------------------
 
 def _instruction() -> Program:
     p = program()
