@@ -232,8 +232,12 @@ def peak_memory_mb(device: torch.device) -> float:
 # -----------------------------------------------------------------------------------------------
 # Kernels take a 2-D [N, D] tensor in HBM and work on tiles of 128 rows (SBUF partitions):
 # load a tile, compute with ScalarE/VectorE instructions (fp32 inside the engines), store it.
-# Limits: N % 128 == 0 and D <= NKI_MAX_FREE (a tile's SBUF footprint); bf16 or fp32 input.
-# Other shapes run the PyTorch reference instead, with a one-time notice.
+# A launch runs one instance per physical core of the rank's logical core (NEURON_LOGICAL_NC_CONFIG,
+# 1 or 2); instance nl.program_id(0) of nl.num_programs() takes its own share of the row tiles.
+# Limits: N % (128 * cores) == 0 and D <= NKI_MAX_FREE (a tile's SBUF footprint); bf16 or fp32
+# input. Other shapes run the PyTorch reference instead, with a one-time notice. The launcher and
+# that choice live in kernels/common.py, shared with the other kernels; train.py imports it only
+# when a kernel is switched on, so importing train.py never needs kernels/.
 
 try:
     import nki
@@ -250,37 +254,39 @@ KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors
 if HAS_NKI:
     @nki.jit
     def relu2_forward_kernel(x):
-        """y = relu(x)^2 for x [N, D] in HBM; N % 128 == 0, D <= NKI_MAX_FREE."""
+        """y = relu(x)^2 for x [N, D] in HBM; N % (128 * cores) == 0, D <= NKI_MAX_FREE."""
         n, d = x.shape
         y = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // NKI_PARTITIONS):
-            r0 = i * NKI_PARTITIONS
+        tiles = n // NKI_PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * NKI_PARTITIONS, NKI_PARTITIONS)
             x_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r0:r0 + NKI_PARTITIONS])
+            nisa.dma_copy(dst=x_tile, src=x[r, :])
             relu = nl.ndarray((NKI_PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=relu, op=nl.relu, data=x_tile)
             y_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=y_tile, data1=relu, data2=relu, op=nl.multiply)
-            nisa.dma_copy(dst=y[r0:r0 + NKI_PARTITIONS], src=y_tile)
+            nisa.dma_copy(dst=y[r, :], src=y_tile)
         return y
 
     @nki.jit
     def relu2_backward_kernel(x, grad):
-        """dx = 2 * relu(x) * grad for x, grad [N, D] in HBM; N % 128 == 0, D <= NKI_MAX_FREE."""
+        """dx = 2 * relu(x) * grad for x, grad [N, D] in HBM; N % (128 * cores) == 0, D <= NKI_MAX_FREE."""
         n, d = x.shape
         dx = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // NKI_PARTITIONS):
-            r0 = i * NKI_PARTITIONS
+        tiles = n // NKI_PARTITIONS // nl.num_programs()
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * NKI_PARTITIONS, NKI_PARTITIONS)
             x_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r0:r0 + NKI_PARTITIONS])
+            nisa.dma_copy(dst=x_tile, src=x[r, :])
             g_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=grad.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=g_tile, src=grad[r0:r0 + NKI_PARTITIONS])
+            nisa.dma_copy(dst=g_tile, src=grad[r, :])
             relu = nl.ndarray((NKI_PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=relu, op=nl.relu, data=x_tile)
             dx_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=dx_tile, data=relu, op0=nl.multiply, operand0=2.0,
                                       op1=nl.multiply, operand1=g_tile)
-            nisa.dma_copy(dst=dx[r0:r0 + NKI_PARTITIONS], src=dx_tile)
+            nisa.dma_copy(dst=dx[r, :], src=dx_tile)
         return dx
 
 
@@ -293,21 +299,22 @@ def relu2_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tenso
 
 
 def nki_fits(x: torch.Tensor) -> bool:
-    """Whether the row-tiled kernels take this tensor (as rows of its last dimension)."""
+    """Whether the row-tiled kernels take this tensor's shape and dtype (as rows of its last dimension)."""
     return x.numel() % (NKI_PARTITIONS * x.shape[-1]) == 0 and x.shape[-1] <= NKI_MAX_FREE \
         and x.dtype in (torch.bfloat16, torch.float32)
 
 
 def run_on_rows(kernel, *tensors: torch.Tensor) -> torch.Tensor:
-    """Call a row-tiled kernel on [N, D] views of same-shaped tensors; reshape the result back."""
+    """Launch a row-tiled kernel on [N, D] views of same-shaped tensors; reshape the result back."""
+    from kernels.common import launch
     shape = tensors[0].shape
     rows = [t.reshape(-1, shape[-1]).contiguous() for t in tensors]
-    return kernel(*rows).reshape(shape)
+    return launch(kernel, *rows).reshape(shape)
 
 
 class ReLUSquared(torch.autograd.Function):
     """relu(x)^2 with forward and backward as NKI kernels (use_kernel=True, neuron tensors) or as
-    the PyTorch reference (use_kernel=False, any device: what the tests check on CPU)."""
+    the PyTorch reference (use_kernel=False, any device)."""
 
     @staticmethod
     def forward(ctx, x, use_kernel: bool):
@@ -323,19 +330,13 @@ class ReLUSquared(torch.autograd.Function):
         return relu2_backward_reference(x, grad), None
 
 
-_NOTICES: set[str] = set()
-
-
-def notice_once(message: str) -> None:
-    if message not in _NOTICES:
-        _NOTICES.add(message)
-        print0(f"notice: {message}")
-
-
 def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
-    if nki_fits(x):
+    """relu(x)^2 as the kernel pair for the tensors it takes; the PyTorch reference otherwise."""
+    from kernels.common import pick_kernel
+    rows = x.numel() // x.shape[-1]
+    if pick_kernel("relu2", x, nki_fits(x), f"shape {tuple(x.shape)} {x.dtype} does not fit (rows % "
+                   f"{NKI_PARTITIONS}, width <= {NKI_MAX_FREE}, bf16/fp32)", rows):
         return ReLUSquared.apply(x, True)
-    notice_once(f"relu2: shape {tuple(x.shape)} {x.dtype} does not fit the NKI kernel; using PyTorch")
     return relu2_forward_reference(x)
 
 
@@ -352,6 +353,32 @@ def enable_kernels(hp: Hyperparameters) -> None:
     if hp.nki_softcap_ce:
         import kernels.softcap_ce
         KERNELS["softcap_ce"] = kernels.softcap_ce.softcap_cross_entropy
+
+
+def setup_kernels(hp: Hyperparameters, device_type: str) -> None:
+    """Check that the --nki-* flags can run here, then enable them; stop with the reason otherwise."""
+    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(hp) if f.name.startswith("nki_")
+             and getattr(hp, f.name)]
+    if not flags:
+        return
+    if not (device_type == "neuron" and HAS_NKI):
+        raise SystemExit(f"error: {' '.join(flags)} run NKI kernels, which need the neuron device and the nki "
+                         f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
+                         "Drop the flag here, or run on a Trainium machine.")
+    if hp.compile:
+        raise SystemExit(f"error: --compile with {' '.join(flags)}: the kernels are called from "
+                         "torch.autograd.Functions in eager mode, and the kit does not register them as "
+                         "torch.compile custom ops (torch_neuronx.nki_op with register_autograd). Drop --compile, "
+                         "or the --nki-* flags.")
+    from kernels.common import installed_nki_version, logical_core_count, nki_version_problem
+    problem = nki_version_problem(installed_nki_version())
+    if problem:
+        raise SystemExit(f"error: {' '.join(flags)}: {problem}")
+    try:
+        logical_core_count()
+    except ValueError as e:
+        raise SystemExit(f"error: {' '.join(flags)}: {e}") from None
+    enable_kernels(hp)
 
 
 def on_kernel(name: str, x: torch.Tensor):
@@ -763,13 +790,7 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 def main(argv=None) -> int:
     hp = parse_hyperparameters(argv)
     device_type = hp.device or detect_device_type()
-    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(hp) if f.name.startswith("nki_")
-             and getattr(hp, f.name)]
-    if flags and not (device_type == "neuron" and HAS_NKI):
-        raise SystemExit(f"error: {' '.join(flags)} run NKI kernels, which need the neuron device and the nki "
-                         f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
-                         "Drop the flag here, or run on a Trainium machine.")
-    enable_kernels(hp)
+    setup_kernels(hp, device_type)
     profile = device_profile(device_type, hp.dtype)
     device, rank, world_size = init_distributed(profile)
     torch.manual_seed(hp.seed)

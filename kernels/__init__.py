@@ -8,4 +8,6 @@ and an autograd Function. train.py routes an op here with its --nki-* flag, on t
 Every module has the same shape, the one train.py's inline relu^2 kernel has: a reference forward
 and backward in PyTorch, the NKI kernels (when `nki` imports), an autograd Function that runs one
 or the other, and a public op that picks the kernel for neuron tensors whose shape it takes.
+kernels/common.py holds what they share: the launcher (one kernel instance per physical core of the
+rank's logical core, NEURON_LOGICAL_NC_CONFIG) and the choice between kernel and reference.
 """

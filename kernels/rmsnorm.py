@@ -1,15 +1,16 @@
 """Fused RMSNorm without a learned scale: y = x / sqrt(mean(x^2) + eps) over the last dimension.
 
-Kernel limits: x viewed as [N, D] rows with N % 128 == 0 (128-row tiles on the SBUF partitions)
-and D <= 4096 (four fp32 tiles of D floats per partition); x bf16 or fp32. Statistics are fp32;
-y has x's dtype. The forward also returns rstd [N, 1] (fp32), which the backward reuses.
+Kernel limits: x viewed as [N, D] rows with N % (128 * cores) == 0 (128-row tiles on the SBUF
+partitions, shared evenly by the physical cores of the logical core) and D <= 4096 (four fp32
+tiles of D floats per partition); x bf16 or fp32. Statistics are fp32; y has x's dtype. The
+forward also returns rstd [N, 1] (fp32), which the backward reuses.
 eps defaults to torch.finfo(x.dtype).eps, as F.rms_norm's does.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.common import HAS_NKI, PARTITIONS, nisa, nki, nl, pick_kernel, rows
+from kernels.common import HAS_NKI, PARTITIONS, launch, nisa, nki, nl, pick_kernel, rows
 
 MAX_WIDTH = 4096
 
@@ -32,14 +33,15 @@ def rmsnorm_backward_reference(x: torch.Tensor, rstd: torch.Tensor, grad: torch.
 if HAS_NKI:
     @nki.jit
     def rmsnorm_forward_kernel(x, eps):
-        """y, rstd for x [N, D] in HBM; N % 128 == 0, D <= MAX_WIDTH."""
+        """y, rstd for x [N, D] in HBM; N % (128 * cores) == 0, D <= MAX_WIDTH."""
         n, d = x.shape
         y = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
         rstd_out = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // PARTITIONS):
-            r0 = i * PARTITIONS
+        tiles = n // PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * PARTITIONS, PARTITIONS)
             x_tile = nl.ndarray((PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=x_tile, src=x[r, :])
             xf = nl.ndarray((PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=xf, src=x_tile)
             sq = nl.ndarray((PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -54,23 +56,24 @@ if HAS_NKI:
             nisa.activation(dst=rstd, op=nl.sqrt, data=inv)
             y_tile = nl.ndarray((PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=y_tile, data=xf, op0=nl.multiply, operand0=rstd)
-            nisa.dma_copy(dst=y[r0:r0 + PARTITIONS], src=y_tile)
-            nisa.dma_copy(dst=rstd_out[r0:r0 + PARTITIONS], src=rstd)
+            nisa.dma_copy(dst=y[r, :], src=y_tile)
+            nisa.dma_copy(dst=rstd_out[r, :], src=rstd)
         return y, rstd_out
 
     @nki.jit
     def rmsnorm_backward_kernel(x, rstd, grad):
-        """dx for x, grad [N, D] and rstd [N, 1] (fp32) in HBM; N % 128 == 0, D <= MAX_WIDTH."""
+        """dx for x, grad [N, D] and rstd [N, 1] (fp32) in HBM; N % (128 * cores) == 0, D <= MAX_WIDTH."""
         n, d = x.shape
         dx = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // PARTITIONS):
-            r0 = i * PARTITIONS
+        tiles = n // PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * PARTITIONS, PARTITIONS)
             x_tile = nl.ndarray((PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=x_tile, src=x[r, :])
             g_tile = nl.ndarray((PARTITIONS, d), dtype=grad.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=g_tile, src=grad[r0:r0 + PARTITIONS])
-            r = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=r, src=rstd[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=g_tile, src=grad[r, :])
+            rstd_tile = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=rstd_tile, src=rstd[r, :])
             xf = nl.ndarray((PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=xf, src=x_tile)
             gf = nl.ndarray((PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -80,15 +83,15 @@ if HAS_NKI:
             dot = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_reduce(dst=dot, op=nl.add, data=work, axis=(1,))
             r2 = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=r2, data1=r, data2=r, op=nl.multiply)
+            nisa.tensor_tensor(dst=r2, data1=rstd_tile, data2=rstd_tile, op=nl.multiply)
             coef = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=coef, data=dot, op0=nl.multiply, operand0=1.0 / d, op1=nl.multiply,
                                       operand1=r2)  # mean(g * x) * rstd^2
             nisa.tensor_scalar(dst=work, data=xf, op0=nl.multiply, operand0=coef)
             nisa.tensor_tensor(dst=work, data1=gf, data2=work, op=nl.subtract)
             dx_tile = nl.ndarray((PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=dx_tile, data=work, op0=nl.multiply, operand0=r)
-            nisa.dma_copy(dst=dx[r0:r0 + PARTITIONS], src=dx_tile)
+            nisa.tensor_scalar(dst=dx_tile, data=work, op0=nl.multiply, operand0=rstd_tile)
+            nisa.dma_copy(dst=dx[r, :], src=dx_tile)
         return dx
 
 
@@ -99,7 +102,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, eps: float, use_kernel: bool):
         if use_kernel:
-            y, rstd = rmsnorm_forward_kernel(rows(x, x.shape[-1]), eps)
+            y, rstd = launch(rmsnorm_forward_kernel, rows(x, x.shape[-1]), eps)
             y, rstd = y.reshape(x.shape), rstd.reshape(*x.shape[:-1], 1)
         else:
             y, rstd = rmsnorm_forward_reference(x, eps)
@@ -112,7 +115,7 @@ class RMSNormFunction(torch.autograd.Function):
         x, rstd = ctx.saved_tensors
         if ctx.use_kernel:
             d = x.shape[-1]
-            dx = rmsnorm_backward_kernel(rows(x, d), rows(rstd, 1), rows(grad, d)).reshape(x.shape)
+            dx = launch(rmsnorm_backward_kernel, rows(x, d), rows(rstd, 1), rows(grad, d)).reshape(x.shape)
         else:
             dx = rmsnorm_backward_reference(x, rstd, grad)
         return dx, None, None
@@ -127,5 +130,5 @@ def rms_norm(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension; the NKI kernel for neuron tensors it takes."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     use = pick_kernel("rmsnorm", x, kernel_fits(x), f"shape {tuple(x.shape)} {x.dtype} does not fit "
-                      f"(rows % {PARTITIONS}, width <= {MAX_WIDTH}, bf16/fp32)")
+                      f"(rows % {PARTITIONS}, width <= {MAX_WIDTH}, bf16/fp32)", x.numel() // x.shape[-1])
     return RMSNormFunction.apply(x, eps, use)

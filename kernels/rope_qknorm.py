@@ -4,14 +4,15 @@ halves of each head. The backward recomputes the rotation and the norm statistic
 
 Shapes: x [B, T, H, D]; cos, sin broadcastable to [T, D/2] (train.py keeps them [1, T, 1, D/2]).
 Kernel limits: T % 128 == 0 (a 128-row tile covers 128 positions of one sequence, so it reads one
-slice of cos and sin), H * D <= 4096 (fp32 working tiles per partition), D even; x bf16 or fp32.
+slice of cos and sin), B * T / 128 tiles shared evenly by the physical cores of the logical core,
+H * D <= 4096 (fp32 working tiles per partition), D even; x bf16 or fp32.
 eps defaults to torch.finfo(x.dtype).eps, as F.rms_norm's does.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.common import HAS_NKI, PARTITIONS, nisa, nki, nl, pick_kernel
+from kernels.common import HAS_NKI, PARTITIONS, launch, nisa, nki, nl, pick_kernel
 
 MAX_ROW_WIDTH = 4096
 
@@ -53,11 +54,11 @@ if HAS_NKI:
         d = 2 * half
         t0 = r0 % T  # a tile's 128 rows are 128 consecutive positions of one sequence
         x_tile = nl.ndarray((PARTITIONS, width), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_tile, src=x[r0:r0 + PARTITIONS])
+        nisa.dma_copy(dst=x_tile, src=x[nl.ds(r0, PARTITIONS), :])
         cos_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=cos_t, src=cos[t0:t0 + PARTITIONS])
+        nisa.dma_copy(dst=cos_t, src=cos[nl.ds(t0, PARTITIONS), :])
         sin_t = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sin_t, src=sin[t0:t0 + PARTITIONS])
+        nisa.dma_copy(dst=sin_t, src=sin[nl.ds(t0, PARTITIONS), :])
         z = nl.ndarray((PARTITIONS, width), dtype=nl.float32, buffer=nl.sbuf)
         rstd = nl.ndarray((PARTITIONS, heads), dtype=nl.float32, buffer=nl.sbuf)
         tmp = nl.ndarray((PARTITIONS, half), dtype=nl.float32, buffer=nl.sbuf)
@@ -81,32 +82,35 @@ if HAS_NKI:
 
     @nki.jit
     def rope_qknorm_forward_kernel(x, cos, sin, heads, eps):
-        """y [N, H*D] for x [N, H*D] (rows = (batch, position)), cos, sin [T, D/2]; T % 128 == 0."""
+        """y [N, H*D] for x [N, H*D] (rows = (batch, position)), cos, sin [T, D/2]; T % 128 == 0,
+        N % (128 * cores) == 0."""
         n, width = x.shape
         d = 2 * cos.shape[1]
         y = nl.ndarray((n, width), dtype=x.dtype, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // PARTITIONS):
-            r0 = i * PARTITIONS
+        tiles = n // PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r0 = (nl.program_id(0) * tiles + i) * PARTITIONS
             z, rstd, _, _ = _rotated_tile(x, cos, sin, r0, heads, eps)
             y_tile = nl.ndarray((PARTITIONS, width), dtype=x.dtype, buffer=nl.sbuf)
             for h in range(heads):
                 nisa.tensor_scalar(dst=y_tile[:, h * d:(h + 1) * d], data=z[:, h * d:(h + 1) * d],
                                    op0=nl.multiply, operand0=rstd[:, h:h + 1])
-            nisa.dma_copy(dst=y[r0:r0 + PARTITIONS], src=y_tile)
+            nisa.dma_copy(dst=y[nl.ds(r0, PARTITIONS), :], src=y_tile)
         return y
 
     @nki.jit
     def rope_qknorm_backward_kernel(x, cos, sin, grad, heads, eps):
-        """dx [N, H*D] for x, grad [N, H*D], cos, sin [T, D/2]; T % 128 == 0."""
+        """dx [N, H*D] for x, grad [N, H*D], cos, sin [T, D/2]; T % 128 == 0, N % (128 * cores) == 0."""
         n, width = x.shape
         half = cos.shape[1]
         d = 2 * half
         dx = nl.ndarray((n, width), dtype=x.dtype, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // PARTITIONS):
-            r0 = i * PARTITIONS
+        tiles = n // PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r0 = (nl.program_id(0) * tiles + i) * PARTITIONS
             z, rstd, cos_t, sin_t = _rotated_tile(x, cos, sin, r0, heads, eps)
             g_tile = nl.ndarray((PARTITIONS, width), dtype=grad.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=g_tile, src=grad[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=g_tile, src=grad[nl.ds(r0, PARTITIONS), :])
             gf = nl.ndarray((PARTITIONS, width), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=gf, src=g_tile)
             work = nl.ndarray((PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -134,7 +138,7 @@ if HAS_NKI:
                 nisa.tensor_tensor(dst=work[:, 0:half], data1=d1, data2=sin_t, op=nl.multiply)
                 nisa.tensor_tensor(dst=tmp, data1=d2, data2=cos_t, op=nl.multiply)
                 nisa.tensor_tensor(dst=o2, data1=work[:, 0:half], data2=tmp, op=nl.add)
-            nisa.dma_copy(dst=dx[r0:r0 + PARTITIONS], src=dx_tile)
+            nisa.dma_copy(dst=dx[nl.ds(r0, PARTITIONS), :], src=dx_tile)
         return dx
 
 
@@ -148,8 +152,8 @@ class RopeQKNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, c, s)
         ctx.eps, ctx.use_kernel = eps, use_kernel
         if use_kernel:
-            y = rope_qknorm_forward_kernel(x.reshape(B * T, H * D).contiguous(), c.float().contiguous(),
-                                           s.float().contiguous(), H, eps)
+            y = launch(rope_qknorm_forward_kernel, x.reshape(B * T, H * D).contiguous(), c.float().contiguous(),
+                       s.float().contiguous(), H, eps)
             return y.reshape(x.shape)
         return rope_qknorm_forward_reference(x, c, s, eps)
 
@@ -158,9 +162,8 @@ class RopeQKNormFunction(torch.autograd.Function):
         x, c, s = ctx.saved_tensors
         B, T, H, D = x.shape
         if ctx.use_kernel:
-            dx = rope_qknorm_backward_kernel(x.reshape(B * T, H * D).contiguous(), c.float().contiguous(),
-                                             s.float().contiguous(), grad.reshape(B * T, H * D).contiguous(), H,
-                                             ctx.eps).reshape(x.shape)
+            dx = launch(rope_qknorm_backward_kernel, x.reshape(B * T, H * D).contiguous(), c.float().contiguous(),
+                        s.float().contiguous(), grad.reshape(B * T, H * D).contiguous(), H, ctx.eps).reshape(x.shape)
         else:
             dx = rope_qknorm_backward_reference(x, c, s, grad, ctx.eps)
         return dx, None, None, None, None
@@ -175,5 +178,5 @@ def rope_qknorm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: floa
     """rms_norm(rotate(x)) for x [B, T, H, D]; the NKI kernels for neuron tensors they take."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     use = pick_kernel("rope_qknorm", x, kernel_fits(x), f"x {tuple(x.shape)} {x.dtype} does not fit "
-                      f"(T % {PARTITIONS}, H*D <= {MAX_ROW_WIDTH}, bf16/fp32)")
+                      f"(T % {PARTITIONS}, H*D <= {MAX_ROW_WIDTH}, bf16/fp32)", x.shape[0] * x.shape[1])
     return RopeQKNormFunction.apply(x, cos, sin, eps, use)

@@ -5,15 +5,16 @@ the capped logits are ever written to HBM; the per-row target terms are a gather
 Because |z| <= cap, exp(z - cap) can neither overflow nor underflow to zero (cap = 15 gives at
 least e^-30), so the kernel needs no running maximum: logsumexp(z) = cap + log(sum(exp(z - cap))).
 
-Kernel limits: logits [N, V] with N % 128 == 0 and V <= 8192 (the backward holds four tiles of V
-elements per partition: at most 128 KiB of the 224 KiB SBUF); logits bf16 or fp32; cap <= 40 (so
-e^(-2 cap) stays a normal fp32). Loss and logsumexp are fp32; the gradient has the logits' dtype.
+Kernel limits: logits [N, V] with N % (128 * cores) == 0 (the physical cores of the logical core
+share the 128-row tiles evenly) and V <= 8192 (the backward holds four tiles of V elements per
+partition: at most 128 KiB of the 224 KiB SBUF); logits bf16 or fp32; cap <= 40 (so e^(-2 cap)
+stays a normal fp32). Loss and logsumexp are fp32; the gradient has the logits' dtype.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.common import HAS_NKI, PARTITIONS, nisa, nki, nl, pick_kernel
+from kernels.common import HAS_NKI, PARTITIONS, launch, nisa, nki, nl, pick_kernel
 
 MAX_VOCAB = 8192
 MAX_CAP = 40.0
@@ -52,19 +53,24 @@ if HAS_NKI:
         """lse [N, 1] fp32 = logsumexp(cap * tanh(logits / cap)) for logits [N, V] in HBM."""
         n, v = logits.shape
         lse_out = nl.ndarray((n, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // PARTITIONS):
-            r0 = i * PARTITIONS
+        tiles = n // PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * PARTITIONS, PARTITIONS)
             raw = nl.ndarray((PARTITIONS, v), dtype=logits.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=raw, src=logits[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=raw, src=logits[r, :])
             z = nl.ndarray((PARTITIONS, v), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=z, op=nl.tanh, data=raw, scale=1.0 / cap)
             nisa.tensor_scalar(dst=z, data=z, op0=nl.multiply, operand0=cap, op1=nl.subtract, operand1=cap)  # z - cap
+            # The fused row sum goes through ScalarE's reduce registers: reset_reduce zeroes them and
+            # sums this tile. The default, reduce_cmd.idle, leaves them alone, and reduce_res would
+            # read whatever an earlier instruction left there.
             sumexp = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=z, op=nl.exp, data=z, reduce_op=nl.add, reduce_res=sumexp)
+            nisa.activation(dst=z, op=nl.exp, data=z, reduce_op=nl.add, reduce_res=sumexp,
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
             lse = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=lse, op=nl.log, data=sumexp)
             nisa.tensor_scalar(dst=lse, data=lse, op0=nl.add, operand0=cap)
-            nisa.dma_copy(dst=lse_out[r0:r0 + PARTITIONS], src=lse)
+            nisa.dma_copy(dst=lse_out[r, :], src=lse)
         return lse_out
 
     @nki.jit
@@ -73,15 +79,16 @@ if HAS_NKI:
         lse, grad_loss [N, 1] (fp32) in HBM. The target's -1 term is added by the caller."""
         n, v = logits.shape
         out = nl.ndarray((n, v), dtype=logits.dtype, buffer=nl.shared_hbm)
-        for i in nl.affine_range(n // PARTITIONS):
-            r0 = i * PARTITIONS
+        tiles = n // PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * PARTITIONS, PARTITIONS)
             raw = nl.ndarray((PARTITIONS, v), dtype=logits.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=raw, src=logits[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=raw, src=logits[r, :])
             neg_lse = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=neg_lse, src=lse[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=neg_lse, src=lse[r, :])
             nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0)
             g = nl.ndarray((PARTITIONS, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=g, src=grad_loss[r0:r0 + PARTITIONS])
+            nisa.dma_copy(dst=g, src=grad_loss[r, :])
             t = nl.ndarray((PARTITIONS, v), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=t, op=nl.tanh, data=raw, scale=1.0 / cap)
             p = nl.ndarray((PARTITIONS, v), dtype=nl.float32, buffer=nl.sbuf)
@@ -91,7 +98,7 @@ if HAS_NKI:
             nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)  # 1 - t^2
             d_tile = nl.ndarray((PARTITIONS, v), dtype=logits.dtype, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=d_tile, data1=p, data2=t, op=nl.multiply)
-            nisa.dma_copy(dst=out[r0:r0 + PARTITIONS], src=d_tile)
+            nisa.dma_copy(dst=out[r, :], src=d_tile)
         return out
 
 
@@ -107,7 +114,7 @@ class SoftcapCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, cap: float, use_kernel: bool):
         if use_kernel:
-            lse = softcap_lse_kernel(logits.contiguous(), cap)[:, 0]
+            lse = launch(softcap_lse_kernel, logits.contiguous(), cap)[:, 0]
             loss = lse - capped_target_logits(logits, targets, cap)[0]
         else:
             loss, lse = softcap_ce_forward_reference(logits, targets, cap)
@@ -119,8 +126,8 @@ class SoftcapCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, targets, lse = ctx.saved_tensors
         if ctx.use_kernel:
-            dlogits = softcap_softmax_grad_kernel(logits.contiguous(), lse[:, None].contiguous(),
-                                                  grad_loss.float()[:, None].contiguous(), ctx.cap)
+            dlogits = launch(softcap_softmax_grad_kernel, logits.contiguous(), lse[:, None].contiguous(),
+                             grad_loss.float()[:, None].contiguous(), ctx.cap)
             _, t = capped_target_logits(logits, targets, ctx.cap)
             dlogits.scatter_add_(1, targets[:, None], (-grad_loss.float() * (1 - t * t))[:, None].to(dlogits.dtype))
         else:
@@ -137,5 +144,5 @@ def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: floa
     """Loss per row (fp32) of logits [N, V] (before the softcap) against targets [N]."""
     use = pick_kernel("softcap_ce", logits, kernel_fits(logits, cap), f"logits {tuple(logits.shape)} "
                       f"{logits.dtype} with cap {cap} do not fit (rows % {PARTITIONS}, vocab <= {MAX_VOCAB}, "
-                      f"bf16/fp32, cap <= {MAX_CAP})")
+                      f"bf16/fp32, cap <= {MAX_CAP})", logits.shape[0])
     return SoftcapCrossEntropyFunction.apply(logits, targets, cap, use)
