@@ -54,9 +54,10 @@ TOLERANCE_NATS = {
     "bfloat16": {"same_shape": 1e-3, "batch_size": 0.1},
     "float16": {"same_shape": 1e-3, "batch_size": 0.1},
 }
-PROBE_FRACTION = 1 / 16  # twins per scored row (the official 20,480 rows get 1,280: every position is a cut)
-MIN_PROBES = 16  # at least this many twins, however few rows are scored
-REPEAT_SHARE = 0.25  # of the twins, this share repeats the whole row (no cut): batch independence
+PROBE_FRACTION = 1 / 16  # probes per scored row: the official 20,480 rows get 1,280
+MIN_PROBES = 16  # at least this many probes, however few rows are scored
+REPEAT_SHARE = 1 / 8  # of the probes, this share repeats the whole row (batch independence); the rest are
+                      # twins cut at a position (official run: 1,120 twins, so each of the 1,023 positions is cut)
 SECRET_TOKEN_IDS = 8  # token ids compared at every position, besides the row's own target
 PROBE_BATCH_CHANCE = 0.5  # after a scored batch, the chance that a full batch of waiting twins goes next
 
@@ -166,7 +167,8 @@ class _Scorer:
     per-row sums and raises EvalRefused at the first broken check."""
 
     def __init__(self, forward, rows: np.ndarray, token_bytes: np.ndarray, batch_size: int, tolerances: dict,
-                 num_ordinary: int, deadline: float, rng: np.random.Generator):
+                 num_ordinary: int, deadline: float, rng: np.random.Generator, cuts: np.ndarray | None = None):
+        """cuts: the cut positions this scorer cycles through (default: every position, shuffled)."""
         self.forward, self.rows, self.B, self.tol = forward, rows, batch_size, tolerances
         self.T = rows.shape[1] - 1
         self.token_bytes, self.deadline, self.rng = token_bytes, deadline, rng
@@ -175,6 +177,7 @@ class _Scorer:
         self.bytes = np.zeros(len(rows), dtype=np.int64)
         self.tokens = np.zeros(len(rows), dtype=np.int64)
         self.checks = CheckLog()
+        self.cuts = rng.permutation(np.arange(1, self.T)) if cuts is None else cuts
         self.planned = self._plan_probes()  # row -> its twins, released when the row is scored
         self.references: dict[int, torch.Tensor] = {}  # row -> log-probs at its compare ids [T, 1 + K]
         self.ready: list[Probe] = []
@@ -184,18 +187,17 @@ class _Scorer:
     # --- the secret plan ------------------------------------------------------------------------
 
     def _plan_probes(self) -> dict[int, list[Probe]]:
-        """Which rows get twins, their cut points (a shuffled cycle over every position, so a run
-        with at least seq_len - 1 twins cuts everywhere) and the other text after each cut."""
-        R, T = len(self.rows), self.T
+        """Which rows get probes (a secret sample), which are twins and where they are cut (the
+        cycle of cut positions, so a run with as many twins as positions cuts at every one), and
+        which other text follows each cut."""
+        R = len(self.rows)
         count = max(MIN_PROBES, math.ceil(R * PROBE_FRACTION))
-        cycle = self.rng.permutation(np.arange(1, T)) if T > 1 else np.zeros(0, dtype=np.int64)
+        twins = count - int(count * REPEAT_SHARE) if len(self.cuts) else 0
         plan: dict[int, list[Probe]] = collections.defaultdict(list)
-        k = 0
-        for row in self.rng.choice(R, size=count, replace=count > R).tolist():
+        for k, row in enumerate(self.rng.choice(R, size=count, replace=count > R).tolist()):
             twin = None
-            if len(cycle) and self.rng.random() >= REPEAT_SHARE:
-                cut = int(cycle[k % len(cycle)])
-                k += 1
+            if k < twins:
+                cut = int(self.cuts[k % len(self.cuts)])
                 twin = self._twin(row, cut)
             plan[row].append(Probe(row, cut, twin) if twin is not None else self._repeat(row))
         return plan
@@ -342,6 +344,16 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def _shared_secret(world: int) -> int:
+    """A secret drawn on rank 0 and shared by the harness processes: every rank cuts at its own
+    share of one shuffled cycle of positions, so the run as a whole cuts at every position."""
+    secret = [secrets.randbits(128)]
+    if world > 1:
+        import torch.distributed as dist
+        dist.broadcast_object_list(secret, src=0, group=_gloo_group())
+    return secret[0]
+
+
 def _gather_outcome(outcome: dict, world: int) -> list[dict]:
     if world == 1:
         return [outcome]
@@ -360,9 +372,10 @@ def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, time
     mine = np.arange(rank, len(rows), world)
     vocab = tokenizer.get_vocab_size()
     token_bytes = get_token_bytes("cpu", tokenizer).numpy().astype(np.int64)
+    cuts = np.random.default_rng(_shared_secret(world)).permutation(np.arange(1, rows.shape[1] - 1))[rank::world]
     scorer = _Scorer(forward, rows[mine], token_bytes, batch_size, tolerances_for(compute_dtype),
                      vocab - len(SPECIAL_TOKENS), time.monotonic() + timeout_seconds - (time.time() - t0),
-                     np.random.default_rng(secrets.randbits(128)))
+                     np.random.default_rng(secrets.randbits(128)), cuts)
     status, message = "ok", ""
     try:
         scorer.run()

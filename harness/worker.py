@@ -308,14 +308,15 @@ def score_sequences(worker: Worker, sequences: list[list[int]], deadline: float 
 # ---------------------------------------------------------------------------------------------
 
 def import_participant_module(path, module_name: str):
-    """Import a participant file by path without running its main(). Its folder goes on sys.path
-    (so `import kernels`, `from train import ...` work) after the kit's own."""
+    """Import a participant file by path without running its main(). Its folder goes first on
+    sys.path, so `import kernels` and `from train import ...` find the participant's files."""
     path = Path(path)
     if not path.is_file():
         raise HarnessError(f"{path}: no such file")
     parent = str(path.resolve().parent)
-    if parent not in sys.path:
-        sys.path.insert(1, parent)
+    if parent in sys.path:
+        sys.path.remove(parent)
+    sys.path.insert(0, parent)
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look their module up here
@@ -467,7 +468,7 @@ class _Child:
 
 def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    sys.path.insert(0, str(REPO_DIR))  # `import prepare` finds the kit's harness
+    sys.path.insert(0, str(REPO_DIR))  # `import prepare` finds the kit's harness (unless the participant's folder has one)
     _Child(sock).serve()
     return 0
 

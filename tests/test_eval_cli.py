@@ -13,7 +13,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "bigram_train.py"
 def checkpoint(tmp_path):
     torch.manual_seed(0)
     path = tmp_path / "final.pt"
-    torch.save({"state_dict": {"table.weight": torch.randn(8192, 8192) * 0.1}}, path)
+    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.1}}, path)
     return path
 
 
@@ -77,3 +77,21 @@ def test_no_dataset_set_up_is_a_clear_error(checkpoint, isolated_cache):
 def test_help(command):
     result = run_prepare([command, "--help"])
     assert result.returncode == 0 and "--" in result.stdout
+
+
+@pytest.mark.slow
+def test_eval_public_under_torchrun_gives_the_single_process_number(tmp_path, text_dataset, checkpoint):
+    import os
+    import subprocess
+    import sys
+    args = ["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint), "--max-tokens", "16384",
+            "--device", "cpu"]
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    single = run_prepare(args, env)
+    assert single.returncode == 0, single.stderr
+    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(REPO / "prepare.py"), *args], cwd=REPO, env=dict(os.environ, **env),
+                           capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = _lines(single.stdout), _lines(multi.stdout)
+    assert a["val_bpb"] == b["val_bpb"] and b["world_size"].strip() == "2" and multi.stdout.count("val_bpb") == 1

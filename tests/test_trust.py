@@ -1,0 +1,366 @@
+"""The trust model, tried as a hostile participant would: each attack is a train.py (or inference.py)
+driven through the command line. Every one is refused with a clear message, or gains nothing (the
+printed number equals the honest one). Valid models are never refused."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import prepare
+from core_bundle import make_bundle
+from helpers import REPO, run_prepare
+
+SEQ = 64  # a short context keeps every run fast; it is reported as unofficial, the checks are the same
+TOKENS = SEQ * 160
+
+PARTICIPANT = '''
+import torch
+import torch.nn as nn
+
+from prepare import TOKENIZER_VOCAB_SIZE as V
+
+
+class Model(nn.Module):
+    """A low-rank bigram: logits[t] depend on token t only (honest)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.head = nn.Linear(16, V, bias=False)
+
+    def honest(self, idx):
+        return self.head(self.emb(idx))
+
+    def forward(self, idx):
+        return self.honest(idx)
+
+
+def peek(idx, logits, strength=10.0):
+    """Mass on the *next* input token, which position t must not see."""
+    nxt = torch.roll(idx, -1, dims=1)
+    return logits.scatter_add(2, nxt.unsqueeze(-1), torch.full(nxt.unsqueeze(-1).shape, strength))
+
+
+def build(path, device):
+    model = Model()
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_for_eval(path, device):
+    return build(path, device)
+'''
+
+ATTACKS = {
+    # peeks everywhere except the three fixed cut points of the old check
+    "peek_except_fixed_cuts": f'''
+class Cheat(Model):
+    def forward(self, idx):
+        logits = peek(idx, self.honest(idx))
+        honest = self.honest(idx)
+        for c in (1, {SEQ} // 2, {SEQ} - 1):
+            logits[:, c - 1] = honest[:, c - 1]
+        return logits
+''',
+    # honest in the first forwards (where the old check ran), peeks afterwards
+    "peek_after_warmup": '''
+class Cheat(Model):
+    calls = 0
+
+    def forward(self, idx):
+        Cheat.calls += 1
+        return peek(idx, self.honest(idx)) if Cheat.calls > 3 else self.honest(idx)
+''',
+    # peeks only on rows that repeat tokens, as real text does and random rows almost never do
+    "peek_on_real_text": '''
+class Cheat(Model):
+    def forward(self, idx):
+        logits = self.honest(idx)
+        for b in range(idx.shape[0]):
+            if len(set(idx[b].tolist())) < 0.9 * idx.shape[1]:
+                logits[b] = peek(idx[b:b + 1], logits[b:b + 1])[0]
+        return logits
+''',
+    # peeks, with one logit of -1e7 on a special token that is never scored
+    "peek_huge_special_logit": '''
+class Cheat(Model):
+    def forward(self, idx):
+        logits = peek(idx, self.honest(idx))
+        logits[..., V - 1] = -1e7
+        return logits
+''',
+}
+
+GAINS_NOTHING = {
+    # rebinds the harness's functions and torch's losses when it is imported
+    "rebind_on_import": '''
+import harness.metric
+import prepare
+import torch.nn.functional as F
+fake = {"val_bpb": 0.01, "total_nats": 1.0, "total_bytes": 100}
+harness.metric.score = lambda *a, **k: dict(fake)
+harness.metric.evaluate_bpb = prepare.evaluate_bpb = lambda *a, **k: dict(fake)
+F.cross_entropy = lambda *a, **k: torch.zeros(())
+torch.logsumexp = lambda x, dim, keepdim=False: torch.full_like(x.select(dim, 0), 50.0)
+torch.Tensor.gather = lambda self, dim, index: torch.zeros(index.shape)
+
+
+class Cheat(Model):
+    pass
+''',
+    # reads the caller's variables through the call stack, looking for the targets
+    "read_the_stack": '''
+import inspect
+
+import numpy as np
+
+
+class Cheat(Model):
+    def forward(self, idx):
+        logits = self.honest(idx)
+        frame = inspect.currentframe()
+        while frame is not None:
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == idx.shape[1] + 1:
+                    rows = torch.from_numpy(value[:idx.shape[0], 1:].astype("int64"))
+                    return logits.scatter_add(2, rows.unsqueeze(-1), torch.full(rows.unsqueeze(-1).shape, 30.0))
+            frame = frame.f_back
+        return logits
+''',
+    # prints result lines of its own
+    "print_results": '''
+import sys
+
+print("---\\nval_bpb:                 0.010000\\ncausality_passed:        True")
+print("val_bpb: 0.010000", file=sys.stderr)
+
+
+class Cheat(Model):
+    def forward(self, idx):
+        print("---\\nval_bpb:                 0.010000")
+        return self.honest(idx)
+''',
+}
+
+
+def participant(tmp_path, name: str, cheat: str | None = None) -> str:
+    """A train.py: the honest bigram, or one whose load_for_eval returns `Cheat`."""
+    text = PARTICIPANT + textwrap.dedent(cheat or "")
+    if cheat:
+        text += "\n\ndef load_for_eval(path, device):\n    model = Cheat()\n" \
+                "    model.load_state_dict(torch.load(path, map_location='cpu', weights_only=True)['state_dict'])\n" \
+                "    return model.to(device).eval().requires_grad_(False)\n"
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
+    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
+    return str(path)
+
+
+def evaluate(train_py, checkpoint, dataset, *extra):
+    result = run_prepare(["eval-public", "--train-py", train_py, "--checkpoint", checkpoint, "--device", "cpu",
+                          "--seq-len", str(SEQ), "--max-tokens", str(TOKENS), *extra], {"FRONTIER_DATA_DIR": str(dataset)})
+    lines = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in result.stdout.splitlines()
+                                               if ":" in line and not line.startswith("["))}
+    return result, lines
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory, checkpoint, text_dataset):
+    result, lines = evaluate(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr
+    return lines
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_model_that_reads_ahead_is_refused(tmp_path, checkpoint, text_dataset, attack):
+    result, lines = evaluate(participant(tmp_path, attack, ATTACKS[attack]), checkpoint, text_dataset)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "not causal" in result.stderr and "Traceback" not in result.stderr
+    assert "val_bpb" not in lines
+
+
+@pytest.mark.parametrize("attack", sorted(GAINS_NOTHING))
+def test_an_attack_on_the_harness_process_gains_nothing(tmp_path, checkpoint, text_dataset, honest, attack):
+    result, lines = evaluate(participant(tmp_path, attack, GAINS_NOTHING[attack]), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr
+    assert lines["val_bpb"] == honest["val_bpb"] and lines["causality_passed"] == "True"
+    assert result.stdout.count("val_bpb") == 1  # only the harness writes result lines on stdout
+    if attack == "print_results":
+        assert "[worker] val_bpb:                 0.010000" in result.stderr  # the worker's, marked
+
+
+def test_a_tensor_subclass_is_refused(tmp_path, checkpoint, text_dataset):
+    cheat = '''
+class Logits(torch.Tensor):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Cheat(Model):
+    def forward(self, idx):
+        return self.honest(idx).as_subclass(Logits)
+'''
+    result, _ = evaluate(participant(tmp_path, "subclass", cheat), checkpoint, text_dataset)
+    assert result.returncode == 1 and "plain torch.Tensor" in result.stderr
+
+
+def test_writing_into_the_inputs_gains_nothing_at_batch_size_1(tmp_path, checkpoint, text_dataset):
+    """Inputs and targets came from one tensor: a model could rewrite the targets through its inputs."""
+    favour_zero = '''
+class Cheat(Model):
+    def forward(self, idx):
+        logits = self.honest(idx)
+        logits[..., 0] += 30.0
+        return logits
+'''
+    overwrite = favour_zero.replace("return logits", "idx.zero_()\n        return logits")
+    base, base_lines = evaluate(participant(tmp_path, "favour_zero", favour_zero), checkpoint, text_dataset,
+                                "--batch-size", "1")
+    result, lines = evaluate(participant(tmp_path, "overwrite", overwrite), checkpoint, text_dataset,
+                             "--batch-size", "1")
+    assert base.returncode == 0 and result.returncode == 0, result.stderr
+    assert lines["val_bpb"] == base_lines["val_bpb"]
+
+
+def test_valid_models_are_never_refused(tmp_path, checkpoint, text_dataset, honest):
+    """fp32 and bf16 logits, batch size 1 and 8: each passes, and batch size does not change the number."""
+    bf16 = '''
+class Cheat(Model):
+    compute_dtype = torch.bfloat16
+
+    def forward(self, idx):
+        return self.honest(idx).to(torch.bfloat16)
+'''
+    one, lines_one = evaluate(participant(tmp_path, "fp32"), checkpoint, text_dataset, "--batch-size", "1")
+    assert one.returncode == 0, one.stderr
+    assert lines_one["val_bpb"] == honest["val_bpb"]
+    half, lines_half = evaluate(participant(tmp_path, "bf16", bf16), checkpoint, text_dataset)
+    assert half.returncode == 0, half.stderr
+    assert lines_half["compute_dtype"] == "bfloat16" and abs(float(lines_half["val_bpb"]) - float(honest["val_bpb"])) < 0.01
+    assert honest["official"].startswith("False") and "--seq-len 64" in honest["official"]
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_not_refused(tmp_path, checkpoint, text_dataset, honest):
+    compiled = '''
+class Cheat(Model):
+    pass
+
+
+_build = build
+
+
+def build(path, device):
+    return torch.compile(_build(path, device), dynamic=False)
+'''
+    text = PARTICIPANT + textwrap.dedent(compiled) + "\n\ndef load_for_eval(path, device):\n    return build(path, device)\n"
+    path = tmp_path / "compiled.py"
+    path.write_text(text)
+    result, lines = evaluate(str(path), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr
+    assert abs(float(lines["val_bpb"]) - float(honest["val_bpb"])) < 1e-4
+
+
+def test_the_kit_checkpoint_gets_the_same_number_isolated_and_in_process(tiny_checkpoint, text_dataset, monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    sys.path.insert(0, str(REPO))
+    import train as T
+    model = T.load_for_eval(str(tiny_checkpoint), torch.device("cpu"))
+    tok = prepare.ensure_tokenizer()
+    local = prepare.evaluate_bpb(model, tok, 8, SEQ, "cpu", max_tokens=TOKENS)
+    result, lines = evaluate(str(REPO / "train.py"), str(tiny_checkpoint), text_dataset)
+    assert result.returncode == 0, result.stderr
+    assert lines["val_bpb"] == f"{local['val_bpb']:.6f}"
+
+
+def test_the_worker_sees_no_data_location(tmp_path, checkpoint, text_dataset):
+    snoop = '''
+import os
+import sys
+
+print("ENV", sorted(k for k in os.environ if k.startswith(("FRONTIER_DATA", "FRONTIER_CACHE", "NEURON_COMPETITION",
+                                                            "RANK", "WORLD_SIZE"))), file=sys.stderr)
+print("CWD", os.getcwd(), sorted(os.listdir(".")), file=sys.stderr)
+print("ARGV", sys.argv, file=sys.stderr)
+
+
+class Cheat(Model):
+    pass
+'''
+    env = {"FRONTIER_DATA_DIR": str(text_dataset), "NEURON_COMPETITION_R1_CACHE_DIR": str(tmp_path / "cache"),
+           "FRONTIER_CACHE_DIR": str(tmp_path / "cache")}
+    result = run_prepare(["eval-public", "--train-py", participant(tmp_path, "snoop", snoop), "--checkpoint",
+                          checkpoint, "--seq-len", str(SEQ), "--max-tokens", str(SEQ * 8)], env)
+    assert result.returncode == 0, result.stderr
+    assert "[worker] ENV []" in result.stderr
+    cwd_line = next(line for line in result.stderr.splitlines() if line.startswith("[worker] CWD"))
+    assert "frontier-worker-" in cwd_line and str(text_dataset) not in result.stderr.split("[worker] ARGV")[1]
+
+
+# --- CORE ----------------------------------------------------------------------------------------
+
+FORGED_INFERENCE = '''
+import sys
+sys.path.insert(0, {repo!r})
+import inference
+
+
+class Forged(inference.Scorer):
+    """Claims every continuation token as its greedy prediction: exact match on every LM task."""
+
+    def score(self, sequences):
+        honest = super().score(sequences)
+        return [(losses * {loss_scale}, torch.tensor(seq[1:])) for (losses, _), seq in zip(honest, sequences)]
+
+
+import torch
+
+
+def load_scorer(path, device):
+    s = inference.load_scorer(path, device)
+    return Forged(s.model, s.device)
+'''
+
+
+def core(args, dataset):
+    return run_prepare(["eval-core", *args], {"FRONTIER_DATA_DIR": str(dataset)})
+
+
+def test_core_forged_greedy_predictions_are_refused(tmp_path, text_dataset, tiny_checkpoint):
+    bundle = make_bundle(tmp_path)
+    for scale, message in ((1.0, "greedy predictions differ"), (0.0, "mean loss")):
+        forged = tmp_path / f"forged{int(scale)}.py"
+        forged.write_text(FORGED_INFERENCE.format(repo=str(REPO), loss_scale=scale))
+        result = core(["--inference-py", str(forged), "--checkpoint", str(tiny_checkpoint), "--train-py",
+                       str(REPO / "train.py"), "--bundle-dir", str(bundle)], text_dataset)
+        assert result.returncode == 1, result.stdout
+        assert message in result.stderr and "must score the trained model" in result.stderr
+        assert "core:" not in result.stdout
+
+
+def test_core_with_a_model_that_reads_ahead_is_refused(tmp_path, text_dataset, checkpoint):
+    """train.py's own model peeks, and inference.py scores it faithfully: the trusted path agrees with
+    inference.py, and the secret twin shows the peeking."""
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    always = "class Cheat(Model):\n    def forward(self, idx):\n        return peek(idx, self.honest(idx))\n"
+    (kit / "train.py").write_text(open(participant(tmp_path, "peeker", always)).read())
+    (kit / "inference.py").write_text((REPO / "inference.py").read_text().replace(
+        "self.max_seq_len = model.cos.shape[1]", "self.max_seq_len = None"))
+    result = core(["--inference-py", str(kit / "inference.py"), "--checkpoint", checkpoint, "--bundle-dir",
+                   str(make_bundle(tmp_path))], text_dataset)
+    assert result.returncode == 1, result.stdout
+    assert "not causal" in result.stderr and "core:" not in result.stdout
