@@ -1,15 +1,20 @@
 """
 The baseline: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
 This is the one file a participant edits. It reads top to bottom: hyperparameters, devices,
-model (with an inline NKI kernel), optimizer, schedules, training step, checkpoint, main().
+model (with an inline NKI kernel), optimizer, schedules, training step, checkpoint, scale
+(batch geometry, budget planner), main().
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks
+    NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=64 train.py --preset phase2   # 16 chips, 4 h
+    python train.py --plan --ranks 64 --budget 14400   # size model and batch for a budget; trains nothing
     python train.py --preset cpu      # a laptop: 5 minutes that learn something
     python train.py --preset gpu      # one CUDA GPU, 5 minutes
 
-Every hyperparameter is a flag (--depth 12, --matrix-lr 0.03, ...). The run writes out/final.pt
-and prints a summary after `---`. The scorer imports this file and calls load_for_eval().
+Every hyperparameter is a flag (--depth 12, --matrix-lr 0.03, ...); the organisers' spellings
+(--num-steps, --max-train-seconds, --device-type) and NEURON_COMPETITION_R1_* variables work too.
+The run writes out/final.pt and prints a summary after `---`; --save-every SECONDS and --resume
+out/state make a long run resumable. The scorer imports this file and calls load_for_eval().
 """
 from __future__ import annotations
 
