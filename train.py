@@ -75,7 +75,7 @@ class Hyperparameters:
     warmdown_ratio: float = 0.5  # the last half of the budget decays the learning rate linearly
     final_lr_frac: float = 0.0  # learning rate at the end, as a fraction of the peak
     # Run
-    time_budget: float = float(TRAIN_TIME_BUDGET_SECONDS)  # seconds of charged time (prepare's ledger), the save included
+    time_budget: float = float(TRAIN_TIME_BUDGET_SECONDS)  # seconds of charged time (prepare's ledger), save included
     max_steps: int = 0  # stop after this many steps, and schedule on steps instead of time (0: the budget decides)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
     for f in dataclasses.fields(Hyperparameters):
-        flags = ["--" + f.name.replace("_", "-")] + ([OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else [])
+        official = [OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else []
+        flags = ["--" + f.name.replace("_", "-"), *official]
         help_text = f"default: {f.default!r} (see Hyperparameters)"
         if f.name in OFFICIAL_ENVIRONMENT:
             help_text += f"; environment: {OFFICIAL_ENVIRONMENT[f.name]}"
@@ -185,8 +186,8 @@ def parse_command_line(argv=None) -> tuple[Hyperparameters, argparse.Namespace, 
     from_env, used = environment_settings(parser)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hyperparameters)
              if getattr(args, f.name) is not None}
-    notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given else "")
-             for name, setting in used.items()]
+    notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
+                                                              else "") for name, setting in used.items()]
     values.update(from_env)
     values.update(given)
     return Hyperparameters(**values), args, notes
@@ -837,9 +838,9 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
         return payload["config"], payload["state_dict"], payload.get("meta", {})
     if found in (CHECKPOINT_FORMAT, None) and {"model_config", "model_state"} <= payload.keys():
         return payload["model_config"], payload["model_state"], payload.get("meta", {})
-    raise ValueError(f"{path} has format {found!r} and keys {sorted(payload)}; this train.py reads {CHECKPOINT_FORMAT!r} "
-                     f"and the organisers' layout (model_state, model_config, meta), or {EARLIER_CHECKPOINT_FORMAT!r} "
-                     "(config, state_dict)")
+    raise ValueError(f"{path} has format {found!r} and keys {sorted(payload)}; this train.py reads "
+                     f"{CHECKPOINT_FORMAT!r} and the organisers' layout (model_state, model_config, meta), or "
+                     f"{EARLIER_CHECKPOINT_FORMAT!r} (config, state_dict)")
 
 
 def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
@@ -865,7 +866,7 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 
 # Resumable runs. --save-every SECONDS writes the full training state under out_dir/state:
 # step_NNNNNN/model.pt (weights, checkpoint format), step_NNNNNN/optimizer_rankNNNNN.pt (each rank's
-# optimizer.state_dict(), its shard when the optimizer is sharded, and its RNG state), and latest.json
+# optimizer.state_dict(), its shard when the optimizer is sharded, and its CPU RNG state), and latest.json
 # (step, tokens, charged seconds, batch geometry, flags). Every rank writes its files, all meet at a
 # barrier, and only then rank 0 points latest.json at the new folder and removes the older ones: a
 # crash at any moment leaves the previous snapshot whole. The loader position is the step count
@@ -893,13 +894,25 @@ class ResumeError(ValueError):
     pass
 
 
+def on_cpu(tree):
+    """A copy of a nest of dicts, lists and tuples with every tensor moved to the CPU (what torch.save writes
+    whatever the device; load_state_dict moves the state back to each parameter's device)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: on_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu(v) for v in tree)
+    return tree
+
+
 def save_snapshot(state_dir: Path, model: GPT, optimizer, run: RunState, hp: Hyperparameters,
                   geometry: "BatchGeometry", rank: int) -> None:
     """Write the full training state after step run.step - 1 (every rank calls this)."""
     folder = state_dir / f"step_{run.step:06d}"
     if rank == 0:
         save_checkpoint(folder / "model.pt", model, {"step": run.step, "total_train_tokens": run.tokens_seen})
-    rank_state = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+    rank_state = {"optimizer": on_cpu(optimizer.state_dict()), "rng": torch.get_rng_state()}
     write_atomically(folder / f"optimizer_rank{rank:05d}.pt", lambda tmp: torch.save(rank_state, tmp))
     if geometry.world_size > 1:
         dist.barrier()  # every rank's files are on disk
@@ -1066,7 +1079,8 @@ def format_plan(plan: Plan) -> str:
     flags = f"--depth {hp.depth} --total-batch-size {hp.total_batch_size} --device-batch-size {hp.device_batch_size} " \
             f"--time-budget {hp.time_budget:.0f}"
     launch = f"torchrun --standalone --nproc_per_node={plan.ranks} train.py" if plan.ranks > 1 else "python train.py"
-    rows = [("throughput", f"{plan.flops_per_second / plan.ranks / 1e12:.1f} TFLOP/s per rank ({plan.throughput_source})"),
+    per_rank = plan.flops_per_second / plan.ranks
+    rows = [("throughput", f"{per_rank / 1e12:.1f} TFLOP/s per rank ({plan.throughput_source})"),
             ("ranks", plan.ranks), ("budget_seconds", f"{hp.time_budget:.0f}"),
             ("training_seconds", f"{plan.training_seconds:.0f}"),
             ("depth", hp.depth), ("width", config.n_embd), ("heads", config.n_head),
