@@ -115,7 +115,7 @@ PRESETS = {
     "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, time_budget=300.0),
     # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
     # `--plan --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
-    # per parameter where the depth-10 default would see ~1000. Two rows per micro-batch keep the depth-23
+    # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
     # model's weights, gradients, optimizer state and activations well inside a rank's 24 GiB at LNC=2 (an
     # estimate: measure peak_memory_mb on the machine). A snapshot every 30 minutes bounds what a crash costs.
     "phase2": dict(depth=23, total_batch_size=2**19, device_batch_size=2, time_budget=14400.0, save_every=1800.0),
@@ -1160,6 +1160,9 @@ def plan_command(hp: Hyperparameters, options: argparse.Namespace) -> int:
         mfu = options.mfu if options.mfu is not None else PLAN_ASSUMED_MFU
         if not 0 < mfu <= 1:
             raise SystemExit(f"error: --mfu is a fraction in (0, 1], got {mfu}")
+        if target == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("error: an MFU-based plan for cuda reads the GPU's peak, and this machine has no GPU; "
+                             "plan on the GPU machine, or give --tokens-per-second")
         profile = device_profile(target, hp.dtype)
         per_rank = mfu * profile.peak_flops
         source = f"{'assumed' if options.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
