@@ -10,7 +10,6 @@ include compilation. MFU = model FLOPs per token x tokens/s / peak, where the pe
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -19,38 +18,8 @@ import train as T  # noqa: E402
 
 
 def run(hp: T.Hyperparameters, device_type: str, dtype: str, steps: int, warmup: int) -> dict:
-    profile = T.device_profile(device_type, dtype)
-    device = torch.device(device_type)
     torch.manual_seed(0)
-    model = T.GPT(T.model_config(hp)).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
-    accum = hp.total_batch_size // (hp.device_batch_size * hp.seq_len)
-
-    def batches():
-        while True:
-            x = torch.randint(0, 8183, (hp.device_batch_size, hp.seq_len + 1), device=device)
-            yield x[:, :-1], x[:, 1:], {}
-
-    data = batches()
-    t0 = time.time()
-    for _ in range(warmup):
-        T.train_step(step_model, optimizer, data, accum, 1)
-    T.synchronize(device)
-    warm = time.time() - t0
-    t0 = time.time()
-    for _ in range(steps):
-        T.train_step(step_model, optimizer, data, accum, 1)
-    T.synchronize(device)
-    dt = (time.time() - t0) / steps
-    tok_s = hp.total_batch_size / dt
-    return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
-            "step_s": dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
-            "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
-            "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
-            "params_M": model.num_params() / 1e6}
+    return T.measure_training_throughput(hp, device_type, dtype, steps, warmup)
 
 
 def main():

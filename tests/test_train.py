@@ -64,7 +64,7 @@ def test_tiny_model_learns_well_below_unigram_entropy(trained, text_dataset):
 def test_checkpoint_round_trips_through_load_for_eval_and_eval_public(trained, text_dataset, tmp_path):
     checkpoint, _ = trained
     payload = torch.load(checkpoint, weights_only=True)
-    assert payload["format"] == T.CHECKPOINT_FORMAT and payload["config"]["n_layer"] == 2
+    assert payload["format"] == T.CHECKPOINT_FORMAT and payload["model_config"]["n_layer"] == 2
     model = T.load_for_eval(str(checkpoint), torch.device("cpu"))
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     x = torch.randint(0, 8000, (2, 64))
@@ -79,9 +79,9 @@ def test_checkpoint_of_another_config_is_a_clear_error(trained, tmp_path):
     checkpoint, _ = trained
     payload = torch.load(checkpoint, weights_only=True)
     cases = []
-    deeper = dict(payload, config=dict(payload["config"], n_layer=3))
+    deeper = dict(payload, model_config=dict(payload["model_config"], n_layer=3))
     cases.append((deeper, "does not fit this train.py's GPT"))
-    cases.append((dict(payload, config=dict(payload["config"], n_kv_head=1)), "config fields ['n_kv_head']"))
+    cases.append((dict(payload, model_config=dict(payload["model_config"], n_kv_head=1)), "config fields ['n_kv_head']"))
     cases.append((dict(payload, format="other-kit/7"), "has format 'other-kit/7'"))
     for k, (bad, message) in enumerate(cases):
         path = tmp_path / f"bad{k}.pt"

@@ -1,0 +1,170 @@
+"""train.py speaks the organisers' dialect too: their flag names and environment variables (the
+command line wins), their defaults, their checkpoint keys, and their summary key names."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TINY_TRAIN_ARGS as TINY
+from helpers import REPO
+
+sys.path.insert(0, str(REPO))
+import train as T  # noqa: E402
+from test_train import summary  # noqa: E402
+
+OFFICIAL_ENV = ("NEURON_COMPETITION_R1_NUM_STEPS", "NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",
+                "NEURON_COMPETITION_R1_COMPILE", "NEURON_COMPETITION_R1_NKI_RELU2")
+
+
+@pytest.fixture(autouse=True)
+def no_official_environment(monkeypatch):
+    for var in OFFICIAL_ENV:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_official_flag_names_set_the_same_hyperparameters():
+    hp = T.parse_hyperparameters(["--num-steps", "7", "--max-train-seconds", "99", "--device-type", "cpu",
+                                  "--no-eval-public", "--eval-tokens", "4096", "--compile", "--nki-relu2",
+                                  "--out-dir", "elsewhere"])
+    assert (hp.max_steps, hp.time_budget, hp.device, hp.eval_public, hp.eval_tokens) == (7, 99.0, "cpu", False, 4096)
+    assert hp.compile and hp.nki_relu2 and hp.out_dir == "elsewhere"
+    ours = T.parse_hyperparameters(["--max-steps", "7", "--time-budget", "99", "--device", "cpu", "--no-eval-public",
+                                    "--eval-tokens", "4096", "--compile", "--nki-relu2", "--out-dir", "elsewhere"])
+    assert hp == ours
+
+
+def test_defaults_participants_rely_on():
+    hp = T.Hyperparameters()
+    assert hp.eval_tokens == 2_097_152 == 4 * 524_288 and hp.eval_public and hp.out_dir == "out"
+
+
+def test_official_environment_variables_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("NEURON_COMPETITION_R1_NUM_STEPS", "12")
+    monkeypatch.setenv("NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS", "600.5")
+    monkeypatch.setenv("NEURON_COMPETITION_R1_COMPILE", "1")
+    monkeypatch.setenv("NEURON_COMPETITION_R1_NKI_RELU2", "true")
+    hp, _, notes = T.parse_command_line([])
+    assert (hp.max_steps, hp.time_budget, hp.compile, hp.nki_relu2) == (12, 600.5, True, True)
+    assert "NEURON_COMPETITION_R1_NUM_STEPS=12 sets --max-steps" in notes
+    hp, _, notes = T.parse_command_line(["--num-steps", "3", "--time-budget", "60", "--no-compile", "--no-nki-relu2"])
+    assert (hp.max_steps, hp.time_budget, hp.compile, hp.nki_relu2) == (3, 60.0, False, False)
+    assert all(n.endswith("(overridden by the command line)") for n in notes) and len(notes) == 4
+    monkeypatch.setenv("NEURON_COMPETITION_R1_COMPILE", "off")
+    assert T.parse_hyperparameters(["--preset", "cpu"]).compile is False  # the environment beats the preset
+
+
+@pytest.mark.parametrize("var, value", [("NEURON_COMPETITION_R1_NUM_STEPS", "ten"),
+                                        ("NEURON_COMPETITION_R1_COMPILE", "maybe"),
+                                        ("NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS", "30m")])
+def test_bad_environment_value_is_a_clear_error(monkeypatch, capsys, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as e:
+        T.parse_hyperparameters([])
+    assert e.value.code == 2 and f"{var}={value!r} is not" in capsys.readouterr().err
+
+
+def test_help_shows_both_spellings_once(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    text = T.build_parser().format_help()
+    for ours, theirs in (("--max-steps", "--num-steps"), ("--time-budget", "--max-train-seconds"),
+                         ("--device", "--device-type")):
+        metavar = ours[2:].upper().replace("-", "_")
+        assert text.count(f"{ours} {metavar}, {theirs} {metavar}") == 1, ours
+        assert text.count(theirs + " ") == 1, theirs
+    for var in OFFICIAL_ENV:
+        assert text.count(var) == 1, var
+    for flag in ("--eval-public, --no-eval-public", "--eval-tokens", "--compile, --no-compile", "--nki-relu2",
+                 "--out-dir"):
+        assert flag in text
+
+
+def run_instrumented(tmp_path, args, env_extra, name):
+    records = tmp_path / f"records-{name}"
+    records.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in OFFICIAL_ENV}
+    env.update(env_extra, PYTHONPATH=str(REPO), RECORD_DIR=str(records))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "fixtures" / "instrumented_train.py"), *args],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    record = json.loads((records / "rank0.json").read_text())
+    return result, record
+
+
+@pytest.mark.slow
+def test_official_environment_changes_the_run(tmp_path, text_dataset):
+    """The four variables of the organisers' train.py, then the same flags on the command line, which win."""
+    data = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    base = [a for a in TINY if a not in ("--eval-tokens", "4096", "--device", "cpu")]
+    result, record = run_instrumented(tmp_path, [*base, "--device-type", "cpu", "--eval-tokens", "2048",
+                                                 "--out-dir", str(tmp_path / "a")],
+                                      {**data, "NEURON_COMPETITION_R1_NUM_STEPS": "3",
+                                       "NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS": "600",
+                                       "NEURON_COMPETITION_R1_COMPILE": "1"}, "env")
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = summary(result.stdout)
+    assert s["num_steps"] == "3" and s["budget_seconds"] == "600" and s["device"] == "cpu x 1"
+    assert record["compile"] == [{"backend": "inductor", "dynamic": False}]
+    assert math.isfinite(float(s["val_bpb"])) and int(s["eval_tokens"]) <= 2048
+    assert [c["max_tokens"] for c in record["evaluate_bpb"]] == [2048]
+    assert "environment: NEURON_COMPETITION_R1_NUM_STEPS=3 sets --max-steps" in result.stdout
+    assert (tmp_path / "a" / "final.pt").exists()
+
+    result, record = run_instrumented(tmp_path, [*base, "--num-steps", "2", "--no-compile", "--no-eval-public",
+                                                 "--max-train-seconds", "300", "--out-dir", str(tmp_path / "b")],
+                                      {**data, "NEURON_COMPETITION_R1_NUM_STEPS": "50",
+                                       "NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS": "600",
+                                       "NEURON_COMPETITION_R1_COMPILE": "yes"}, "flags")
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = summary(result.stdout)
+    assert s["num_steps"] == "2" and s["budget_seconds"] == "300" and "val_bpb" not in s
+    assert record["compile"] == [] and record["evaluate_bpb"] == []
+    assert "(overridden by the command line)" in result.stdout and (tmp_path / "b" / "final.pt").exists()
+
+    env = dict(os.environ, **data, PYTHONPATH=str(REPO), NEURON_COMPETITION_R1_NKI_RELU2="1")
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "--nki-relu2 run NKI kernels" in result.stderr  # the variable took effect
+
+
+def test_summary_prints_the_official_names_and_the_median_step(tiny_training):
+    s = summary(tiny_training[1])
+    assert s["charged_seconds_est"] == s["charged_seconds"] and s["startup_allowance_est"] == s["startup_seconds"]
+    for key in ("training_seconds", "over_budget", "num_steps"):
+        assert key in s
+    assert 0 < float(s["median_step_seconds"]) < float(s["startup_seconds"])
+
+
+def test_checkpoint_has_the_official_keys(tiny_checkpoint):
+    payload = torch.load(tiny_checkpoint, weights_only=True)
+    assert set(payload) == {"format", "model_state", "model_config", "meta"}
+    assert payload["format"] == T.CHECKPOINT_FORMAT
+    assert payload["meta"]["step"] == 60 and payload["meta"]["total_train_tokens"] == 60 * 1024
+
+
+def test_load_for_eval_reads_either_layout(tiny_checkpoint, tmp_path):
+    payload = torch.load(tiny_checkpoint, weights_only=True)
+    official = {k: payload[k] for k in ("model_state", "model_config", "meta")}  # the organisers' file: no tag
+    earlier = {"format": T.EARLIER_CHECKPOINT_FORMAT, "config": payload["model_config"],
+               "state_dict": payload["model_state"], "meta": payload["meta"]}
+    x = torch.randint(0, 8000, (2, 32))
+    reference = T.load_for_eval(str(tiny_checkpoint), torch.device("cpu"))(x)
+    for name, layout in (("official", official), ("earlier", earlier)):
+        path = tmp_path / f"{name}.pt"
+        torch.save(layout, path)
+        assert torch.equal(T.load_for_eval(str(path), torch.device("cpu"))(x), reference), name
+
+    partial = dict(official, model_state={k: v for k, v in payload["model_state"].items() if "lm_head" not in k})
+    torch.save(partial, tmp_path / "partial.pt")
+    with pytest.raises(ValueError, match="does not fit this train.py's GPT"):  # a strict load
+        T.load_for_eval(str(tmp_path / "partial.pt"), torch.device("cpu"))
+    torch.save(dict(official, model_config=T.GPTConfig(**payload["model_config"])), tmp_path / "pickled.pt")
+    with pytest.raises(ValueError, match="is not a checkpoint that loads safely"):  # weights_only=True
+        T.load_for_eval(str(tmp_path / "pickled.pt"), torch.device("cpu"))
+    torch.save({"weights": payload["model_state"]}, tmp_path / "unknown.pt")
+    with pytest.raises(ValueError, match=r"has format None and keys \['weights'\]"):
+        T.load_for_eval(str(tmp_path / "unknown.pt"), torch.device("cpu"))
