@@ -35,8 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prepare import (EVAL_SEQ_LEN, TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_STEPS_EXCLUDED, TRAIN_TIME_BUDGET_SECONDS,
-                     HarnessError, budget_status, detect_device_type, ensure_tokenizer, evaluate_bpb, get_dist_info,
-                     make_dataloader, median_step_seconds, print0, record_step_boundary, resume_ledger)
+                     HarnessError, budget_status, default_out_dir, default_train_eval_public, default_train_eval_tokens,
+                     detect_device_type, ensure_tokenizer, env_setting, evaluate_bpb, get_dist_info, make_dataloader,
+                     median_step_seconds, print0, record_step_boundary, resume_ledger)
 
 # -----------------------------------------------------------------------------------------------
 # Hyperparameters: every field is also a flag (--depth 12, --matrix-lr 0.03, --nki-relu2)
@@ -103,6 +104,10 @@ OFFICIAL_ENVIRONMENT = {"max_steps": "NEURON_COMPETITION_R1_NUM_STEPS",
                         "time_budget": "NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",
                         "compile": "NEURON_COMPETITION_R1_COMPILE",
                         "nki_relu2": "NEURON_COMPETITION_R1_NKI_RELU2"}
+# Three more settings the organisers' prepare.py reads for train.py; the harness resolves them (the kit's
+# FRONTIER_* name or the organisers' name), so train.py writes where `prepare.py eval-public` looks.
+HARNESS_ENVIRONMENT = {"out_dir": ("out_dir", default_out_dir), "eval_public": ("eval_public", default_train_eval_public),
+                       "eval_tokens": ("eval_tokens", default_train_eval_tokens)}
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -133,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f"default: {f.default!r} (see Hyperparameters)"
         if f.name in OFFICIAL_ENVIRONMENT:
             help_text += f"; environment: {OFFICIAL_ENVIRONMENT[f.name]}"
+        if f.name in HARNESS_ENVIRONMENT:
+            theirs = HARNESS_ENVIRONMENT[f.name][0].upper()
+            help_text += f"; environment: NEURON_COMPETITION_R1_{theirs} or FRONTIER_{theirs}"
         if f.type in ("bool", bool):
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
@@ -156,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) -> tuple[dict, dict]:
-    """Hyperparameters set by the organisers' environment variables: ({field: value}, {field: "VAR=value"})."""
+    """Hyperparameters set by the organisers' environment variables (and the harness's output and
+    evaluation settings): ({field: value}, {field: "VAR=value"})."""
     types = {f.name: str(f.type) for f in dataclasses.fields(Hyperparameters)}
     values, used = {}, {}
     for name, var in OFFICIAL_ENVIRONMENT.items():
@@ -175,6 +184,13 @@ def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) ->
                     "float": "a number"}[types[name]]
             parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
         used[name] = f"{var}={raw}"
+    for name, (setting, resolve) in HARNESS_ENVIRONMENT.items():
+        try:
+            raw, var = env_setting(setting)
+            if raw is not None:
+                values[name], used[name] = resolve(), f"{var}={raw}"
+        except HarnessError as e:
+            parser.error(str(e))
     return values, used
 
 

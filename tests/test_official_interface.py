@@ -19,7 +19,9 @@ import train as T  # noqa: E402
 from test_train import summary  # noqa: E402
 
 OFFICIAL_ENV = ("NEURON_COMPETITION_R1_NUM_STEPS", "NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",
-                "NEURON_COMPETITION_R1_COMPILE", "NEURON_COMPETITION_R1_NKI_RELU2")
+                "NEURON_COMPETITION_R1_COMPILE", "NEURON_COMPETITION_R1_NKI_RELU2", "NEURON_COMPETITION_R1_OUT_DIR",
+                "NEURON_COMPETITION_R1_EVAL_PUBLIC", "NEURON_COMPETITION_R1_EVAL_TOKENS", "FRONTIER_OUT_DIR",
+                "FRONTIER_EVAL_PUBLIC", "FRONTIER_EVAL_TOKENS")
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +44,20 @@ def test_official_flag_names_set_the_same_hyperparameters():
 def test_defaults_participants_rely_on():
     hp = T.Hyperparameters()
     assert hp.eval_tokens == 2_097_152 == 4 * 524_288 and hp.eval_public and hp.out_dir == "out"
+
+
+def test_the_harness_environment_sets_the_output_and_the_evaluation(monkeypatch):
+    """NEURON_COMPETITION_R1_{OUT_DIR,EVAL_PUBLIC,EVAL_TOKENS} (or the kit's FRONTIER_ names), which the
+    organisers' prepare.py reads: train.py writes where `prepare.py eval-public` looks."""
+    monkeypatch.setenv("NEURON_COMPETITION_R1_OUT_DIR", "runs/7")
+    monkeypatch.setenv("NEURON_COMPETITION_R1_EVAL_PUBLIC", "0")
+    monkeypatch.setenv("FRONTIER_EVAL_TOKENS", "8192")
+    hp, _, notes = T.parse_command_line([])
+    assert (hp.out_dir, hp.eval_public, hp.eval_tokens) == ("runs/7", False, 8192)
+    assert "NEURON_COMPETITION_R1_OUT_DIR=runs/7 sets --out-dir" in notes
+    assert "FRONTIER_EVAL_TOKENS=8192 sets --eval-tokens" in notes
+    hp = T.parse_hyperparameters(["--out-dir", "mine", "--eval-public", "--eval-tokens", "0"])
+    assert (hp.out_dir, hp.eval_public, hp.eval_tokens) == ("mine", True, 0)
 
 
 def test_official_environment_variables_and_the_command_line_wins(monkeypatch):
