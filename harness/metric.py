@@ -50,7 +50,7 @@ from harness.worker import ModelForward, Worker, WorkerTimeout, logits_array
 # same numbers, so an honest model differs by kernel nondeterminism at most. "batch size": the
 # row alone instead of in a batch of B: other kernels, other rounding.
 TOLERANCE_NATS = {
-    "float32": {"same_shape": 1e-4, "batch_size": 1e-3},
+    "float32": {"same_shape": 1e-4, "batch_size": 1e-2},  # batch size: TF32 matmuls round like this
     "bfloat16": {"same_shape": 1e-3, "batch_size": 0.1},
     "float16": {"same_shape": 1e-3, "batch_size": 0.1},
 }

@@ -117,7 +117,7 @@ def test_broken_models_are_refused_with_a_clear_message(tmp_path, tok, eight_tok
 @pytest.fixture(scope="module")
 def long_shard(tmp_path_factory):
     """Real-looking text: enough rows of 32 tokens for dozens of probes."""
-    return write_shard(tmp_path_factory.mktemp("long") / "val.parquet", random_documents(400, seed=3))
+    return write_shard(tmp_path_factory.mktemp("long") / "val.parquet", random_documents(1000, seed=3))
 
 
 @pytest.mark.parametrize("model", [

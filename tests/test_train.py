@@ -75,7 +75,7 @@ def test_checkpoint_round_trips_through_load_for_eval_and_eval_public(trained, t
     assert "causality_passed:        True" in result.stdout
 
 
-def test_checkpoint_of_another_config_is_a_clear_error(trained, tmp_path):
+def test_checkpoint_of_another_config_is_a_clear_error(trained, tmp_path, text_dataset):
     checkpoint, _ = trained
     payload = torch.load(checkpoint, weights_only=True)
     cases = []
@@ -88,7 +88,8 @@ def test_checkpoint_of_another_config_is_a_clear_error(trained, tmp_path):
         torch.save(bad, path)
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
             T.load_for_eval(str(path), torch.device("cpu"))
-    result = run_prepare(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint", str(tmp_path / "bad0.pt")])
+    result = run_prepare(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint", str(tmp_path / "bad0.pt")],
+                         {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 1 and "does not fit this train.py's GPT" in result.stderr
 
 
