@@ -280,16 +280,26 @@ def test_a_download_that_is_not_a_zip_fails_clearly(tmp_path, isolated_cache, mo
 # --- the real inference.py ------------------------------------------------------------------------
 
 def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path, text_dataset, tiny_checkpoint):
-    bundle = make_bundle(tmp_path)
-    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
-    result = _eval_core(["--inference-py", str(REPO / "inference.py"), "--checkpoint", str(tiny_checkpoint),
-                         "--bundle-dir", str(bundle), "--verify-fraction", "0.5", "--report", str(tmp_path / "r.json")],
-                        env)
+    """The official path: the pinned archive (served locally), the kit's inference.py, verification on."""
+    import hashlib
+    payload = _zipped_bundle(tmp_path)
+    httpd, url = _serve(payload)
+    env = {"FRONTIER_DATA_DIR": str(text_dataset), "FRONTIER_EVAL_BUNDLE_SHA256": hashlib.sha256(payload).hexdigest()}
+    try:
+        result = _eval_core(["--inference-py", str(REPO / "inference.py"), "--checkpoint", str(tiny_checkpoint),
+                             "--bundle-url", url, "--verify-fraction", "0.5", "--report", str(tmp_path / "r.json")],
+                            env)
+    finally:
+        httpd.shutdown()
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
+    assert report["official"] is True and report["not_official_because"] == [], report["not_official_because"]
+    assert "official:            True" in result.stdout
     assert report["verify"]["examples"] >= 5 * 4 and report["verify"]["twins"] >= 5 * 4
     assert report["verify"]["max_abs_loss_diff"] < 1e-3 and report["verify"]["max_causal_diff"] == 0.0
     assert -1.0 <= report["core"] <= 1.0 and report["train_py_sha256"] == prepare.sha256_file(REPO / "train.py")
+    bundle = make_bundle(tmp_path)
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
 
     cheat = tmp_path / "cheat_inference.py"  # scores something other than the trained model
     cheat.write_text("import sys\nsys.path.insert(0, %r)\nimport inference\n\n"

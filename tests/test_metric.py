@@ -175,11 +175,9 @@ def test_valid_causal_attention_model_is_never_refused(tok, active_text_dataset)
                 y = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], is_causal=True)
                 return self.head(x + y[:, 0]).float()
 
-    for vocab in (V, V + 64):
-        for dtype in (None, torch.bfloat16):
-            for batch in (1, 8):
-                check = prepare.causality_check(TinyAttention(vocab, dtype).eval(), tok, batch, 64, "cpu")
-                assert check["passed"], check["message"]
+    for vocab, dtype, batch in ((V, None, 8), (V + 64, torch.bfloat16, 1), (V, torch.bfloat16, 8)):
+        check = prepare.causality_check(TinyAttention(vocab, dtype).eval(), tok, batch, 64, "cpu", max_rows=16)
+        assert check["passed"], check["message"]
 
 
 @pytest.mark.slow

@@ -228,9 +228,9 @@ class Cheat(Model):
 '''
     overwrite = favour_zero.replace("return logits", "idx.zero_()\n        return logits")
     base, base_lines = evaluate(participant(tmp_path, "favour_zero", favour_zero), checkpoint, text_dataset,
-                                "--batch-size", "1")
+                                "--batch-size", "1", "--max-tokens", str(SEQ * 32))
     result, lines = evaluate(participant(tmp_path, "overwrite", overwrite), checkpoint, text_dataset,
-                             "--batch-size", "1")
+                             "--batch-size", "1", "--max-tokens", str(SEQ * 32))
     assert base.returncode == 0 and result.returncode == 0, result.stderr
     assert lines["val_bpb"] == base_lines["val_bpb"]
 
