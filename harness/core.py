@@ -49,7 +49,7 @@ from harness.common import EvalRefused, HarnessError, atomic_write_bytes, atomic
     log, sha256_file
 from harness.config import SPECIAL_TOKENS, cache_root
 from harness.download import download_file
-from harness.worker import ModelForward, Worker, score_sequences
+from harness.worker import ModelForward, Worker, WorkerTimeout, score_sequences
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 # The bundle's SHA-256, once the organisers publish it. Set it here or in $FRONTIER_EVAL_BUNDLE_SHA256:
@@ -61,6 +61,7 @@ REQUIRED_FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
 EXAMPLES_PER_CALL = 256  # examples whose sequences go to the scorer in one call (it batches them)
+CORE_TIMEOUT_SECONDS = 3600  # the organisers' limit for scoring CORE, after the model is loaded (compilation excluded)
 VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted path (secret sample)
 VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
 VERIFY_LOSS_TOLERANCE = 0.05  # nats: a choice's mean loss, inference.py's vs the trusted one
@@ -606,9 +607,13 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
         max_len = w.info.get("max_seq_len")
         say(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples each, "
             f"device {device} x {world_size}, verifying {args.verify_fraction:.0%} of the examples")
-        report, samples = evaluate_core(lambda seqs: score_sequences(w, seqs), tokenizer, tasks, examples, max_len,
-                                        args.examples_per_call, log=say, rank=rank, world_size=world_size,
-                                        verify_fraction=args.verify_fraction, rng=rng)
+        deadline = time.monotonic() + args.timeout
+        try:
+            report, samples = evaluate_core(lambda seqs: score_sequences(w, seqs, deadline), tokenizer, tasks,
+                                            examples, max_len, args.examples_per_call, log=say, rank=rank,
+                                            world_size=world_size, verify_fraction=args.verify_fraction, rng=rng)
+        except WorkerTimeout:
+            raise CoreError(f"inference.py did not finish CORE within {args.timeout:.0f}s (--timeout); no score") from None
     verification, failure = None, ""
     if args.verify_fraction > 0:
         longest = max((len(s) for sample in samples for s in sample.request.sequences), default=2)
@@ -676,4 +681,6 @@ def add_arguments(parser) -> None:
                              f"{VERIFY_MIN_EXAMPLES} per task (0: off, and the run is not official)")
     parser.add_argument("--report", default=None, help="JSON report path (default: core_report.json beside the "
                                                        "checkpoint)")
+    parser.add_argument("--timeout", type=float, default=CORE_TIMEOUT_SECONDS,
+                        help="seconds inference.py may take to score everything, once its model is loaded")
     parser.set_defaults(func=cmd_eval_core)

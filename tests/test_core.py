@@ -182,6 +182,9 @@ def test_clear_errors(tmp_path, text_dataset):
     (bad_type / "core.yaml").write_text((bad_type / "core.yaml").read_text().replace("schema\n", "ranking\n", 1))
     no_iface = tmp_path / "no_iface.py"
     no_iface.write_text("def score(x):\n    return x\n")
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\n\nclass S:\n    max_seq_len = None\n\n    def score(self, seqs):\n"
+                    "        time.sleep(60)\n\ndef load_scorer(path, device):\n    return S()\n")
     base = ["--inference-py", str(TOY), "--checkpoint", str(ckpt), "--verify-fraction", "0"]
     cases = [
         (["--bundle-dir", str(tmp_path / "nothing")] + base, "no CORE bundle at"),
@@ -194,6 +197,8 @@ def test_clear_errors(tmp_path, text_dataset):
         (["--bundle-dir", str(good), "--inference-py", str(TOY), "--checkpoint", str(ckpt), "--train-py",
           str(tmp_path / "nope.py")], "nope.py: no such file"),
         (["--bundle-dir", str(good), "--tasks", "mc_plain,nope"] + base, "--tasks: unknown ['nope']"),
+        (["--bundle-dir", str(good), "--inference-py", str(slow), "--checkpoint", str(ckpt), "--verify-fraction", "0",
+          "--timeout", "2"], "did not finish CORE within 2s"),
     ]
     (tmp_path / "nothing").mkdir()
     for args, message in cases:
