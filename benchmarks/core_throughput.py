@@ -1,13 +1,15 @@
-"""CORE inference throughput of inference.py on this machine: examples per second with examples
-batched across forwards vs one example per forward (nanochat's way), and the projected time for
-the full bundle.
+"""CORE inference throughput of inference.py on this machine, before and after the prefix cache in
+the same run: examples per second of the plain scorer (every sequence in full) and of the cached
+one (each example's shared prefix once), the largest loss difference between them, and the
+projected time of the full bundle for each.
 
     python benchmarks/core_throughput.py [--checkpoint out/final.pt] [--examples 6]
 
 The real bundle is not needed: each of the 22 CORE tasks is imitated with random words in its real
 shape (type, shots, delimiter, number of choices, rough text lengths), and the projection weights
 each task's measured seconds per example by its real size (about 92K examples in all). Without a
-checkpoint, a freshly initialised CPU-preset model is used (speed does not depend on the weights)."""
+checkpoint, a freshly initialised CPU-preset model is used (speed does not depend on the weights).
+Both scorers get the same sequences, examples_per_call examples per call, as the harness sends them."""
 import argparse
 import os
 import random
@@ -67,21 +69,26 @@ def imitation(task_type, context_words, choices, choice_words, n, rng):
     return [{"context": words(context_words), "continuation": words(choice_words)} for _ in range(n)]
 
 
-def seconds_per_example(scorer, tokenizer, task, data, per_call):
+def score_task(scorer, tokenizer, task, data, per_call):
+    """(seconds per example, every sequence's losses) for one imitated task."""
     label, task_type, shots, delim = task[:4]
     t = C.Task(label, task_type, shots, delim, "", 0.0)
-    t0 = time.time()
-    for lo in range(0, len(data), per_call):
-        requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len)
-                    for i in range(lo, min(lo + per_call, len(data)))]
-        scorer.score([s for r in requests for s in r.sequences])
-    return (time.time() - t0) / len(data)
+    requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len) for i in range(len(data))]
+    losses = []
+    t0 = time.perf_counter()
+    for lo in range(0, len(requests), per_call):
+        chunk = requests[lo:lo + per_call]
+        losses += [l for l, _ in scorer.score([s for r in chunk for s in r.sequences])]
+    return (time.perf_counter() - t0) / len(data), losses
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--examples", type=int, default=6, help="imitated examples per task and mode")
+    parser.add_argument("--examples", type=int, default=6, help="imitated examples per task")
+    parser.add_argument("--examples-per-call", type=int, default=C.EXAMPLES_PER_CALL,
+                        help="examples handed to score() at once (the harness's default)")
+    parser.add_argument("--tasks", default=None, help="comma-separated task labels (default: all 22)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     device = torch.device(args.device or prepare.detect_device_type())
@@ -92,30 +99,50 @@ def main():
         model.init_weights()
         checkpoint = os.path.join(tempfile.mkdtemp(), "final.pt")
         T.save_checkpoint(Path(checkpoint), model, {})
-    scorer = inference.load_scorer(checkpoint, device)
+    tasks = CORE_TASKS
+    if args.tasks:
+        wanted = set(args.tasks.split(","))
+        tasks = [t for t in CORE_TASKS if t[0] in wanted]
+        if len(tasks) != len(wanted):
+            raise SystemExit(f"error: --tasks: unknown {sorted(wanted - {t[0] for t in CORE_TASKS})}")
+    model = inference.load_for_eval(checkpoint, device)
+    scorers = {"plain": inference.Scorer(model, device, prefix_cache=False), "cached": inference.Scorer(model, device)}
+    if not scorers["cached"].prefix_cache:
+        raise SystemExit("error: the prefix cache is off for this model (the reason is printed above); there is "
+                         "nothing to compare")
     tokenizer = prepare.ensure_tokenizer()
     rng = random.Random(0)
-    totals = {1: 0.0, C.EXAMPLES_PER_CALL: 0.0}
-    measured = {1: 0.0, C.EXAMPLES_PER_CALL: 0.0}
-    count = 0
-    print(f"model: {scorer.model.num_params() / 1e6:.1f}M parameters, max_seq_len {scorer.max_seq_len}, device {device}")
-    for task in CORE_TASKS:
+    warmup = imitation("multiple_choice", 20, 4, 5, 4, random.Random(1))
+    for scorer in scorers.values():  # first-call allocations and kernel choices stay out of the timings
+        score_task(scorer, tokenizer, CORE_TASKS[0], warmup, args.examples_per_call)
+    projected = {mode: 0.0 for mode in scorers}
+    measured = {mode: 0.0 for mode in scorers}
+    count, worst = 0, 0.0
+    dtype = str(model.compute_dtype or torch.float32).replace("torch.", "")
+    print(f"model: {model.num_params() / 1e6:.1f}M parameters, max_seq_len {scorers['plain'].max_seq_len}, "
+          f"device {device}, {dtype}, {args.examples_per_call} examples per call")
+    for task in tasks:
         data = imitation(task[1], task[5], task[6], task[7], max(args.examples, task[2] + 2), rng)
-        row = []
-        for per_call in (1, C.EXAMPLES_PER_CALL):
-            s = seconds_per_example(scorer, tokenizer, task, data, per_call)
-            totals[per_call] += s * task[4]
-            measured[per_call] += s * len(data)
-            row.append(s)
+        seconds, losses = {}, {}
+        for mode, scorer in scorers.items():
+            seconds[mode], losses[mode] = score_task(scorer, tokenizer, task, data, args.examples_per_call)
+            projected[mode] += seconds[mode] * task[4]
+            measured[mode] += seconds[mode] * len(data)
+        diff = max(float((a - b).abs().max()) for a, b in zip(losses["plain"], losses["cached"]))
+        worst = max(worst, diff)
         count += len(data)
-        print(f"{task[0]:<34} {task[4]:>6} examples | one per forward {1 / row[0]:7.2f} ex/s | "
-              f"batched {1 / row[1]:7.2f} ex/s | x{row[0] / row[1]:.2f}")
+        print(f"{task[0]:<34} {task[4]:>6} examples | plain {1 / seconds['plain']:7.2f} ex/s | "
+              f"cached {1 / seconds['cached']:7.2f} ex/s | x{seconds['plain'] / seconds['cached']:.2f} | "
+              f"max loss diff {diff:.2g}")
     print("---")
-    print(f"examples_measured:            {count} per mode")
-    print(f"examples_per_second_single:   {count / measured[1]:.2f}")
-    print(f"examples_per_second_batched:  {count / measured[C.EXAMPLES_PER_CALL]:.2f}")
-    print(f"projected_full_bundle_single:  {totals[1] / 3600:.2f} h")
-    print(f"projected_full_bundle_batched: {totals[C.EXAMPLES_PER_CALL] / 3600:.2f} h")
+    print(f"examples_measured:             {count} per scorer")
+    print(f"examples_per_second_plain:     {count / measured['plain']:.2f}")
+    print(f"examples_per_second_cached:    {count / measured['cached']:.2f}")
+    print(f"speedup:                       {measured['plain'] / measured['cached']:.2f}")
+    print(f"max_loss_diff:                 {worst:.3g} nats")
+    if len(tasks) == len(CORE_TASKS):
+        print(f"projected_full_bundle_plain:   {projected['plain'] / 3600:.2f} h")
+        print(f"projected_full_bundle_cached:  {projected['cached'] / 3600:.2f} h")
 
 
 if __name__ == "__main__":
