@@ -128,9 +128,13 @@ MODULE_FUNCTIONS = ("norm", "rope_qknorm", "autocast_context")
 
 
 def model_module(model: torch.nn.Module):
-    """The module that defines the model's class (train.py), whose norm and rotary functions the
-    model's forward uses."""
-    return sys.modules.get(type(model).__module__)
+    """The module that defines the model's class or the nearest base class that has the functions
+    the model's forward uses (train.py's norm, rope_qknorm, autocast_context); None if none does."""
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if all(hasattr(module, f) for f in MODULE_FUNCTIONS):
+            return module
+    return None
 
 
 def missing_pieces(model: torch.nn.Module) -> list[str]:
@@ -146,19 +150,20 @@ def missing_pieces(model: torch.nn.Module) -> list[str]:
         missing += [f"blocks[*].{p}" for p in BLOCK_PIECES if not all(has(b, p) for b in model.blocks)]
         if not has(model.config, "logit_softcap"):
             missing.append("config.logit_softcap")
-    module = model_module(model)
-    missing += [f"{type(model).__module__}.{f}" for f in MODULE_FUNCTIONS if not hasattr(module, f)]
+    if model_module(model) is None:
+        missing.append(f"module defining {', '.join(MODULE_FUNCTIONS)} (as train.py does)")
     return missing
 
 
 def packed_attention(attn, x, cos, sin, mask, rope_qknorm):
-    """train.py's CausalSelfAttention.forward with rotary angles per token and an explicit mask."""
+    """train.py's CausalSelfAttention.forward with rotary angles per token and a mask (None: causal)."""
     B, L, C = x.shape
     q = attn.c_q(x).view(B, L, attn.n_head, attn.head_dim)
     k = attn.c_k(x).view(B, L, attn.n_head, attn.head_dim)
     v = attn.c_v(x).view(B, L, attn.n_head, attn.head_dim)
     q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                       is_causal=mask is None)
     return attn.c_proj(y.transpose(1, 2).reshape(B, L, C))
 
 
@@ -171,12 +176,14 @@ def packed_mask(segments: torch.Tensor) -> torch.Tensor:
     return (causal & ((key == 0) | (key == query)))[:, None]
 
 
-def packed_forward(model, idx: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+def packed_forward(model, idx: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
     """Logits [B, L, vocab] (fp32, softcapped) of train.py's GPT over packed rows: idx, positions
-    (rotary) and segments (see packed_mask) all [B, L]. Equal to model(x) for each member alone."""
+    (rotary) and segments (see packed_mask) all [B, L]; segments None when every row holds one
+    sequence (plain causal attention, which skips the masked half). Equal to model(x) for each
+    member alone."""
     T = model_module(model)
     cos, sin = model.cos[0, positions], model.sin[0, positions]  # [B, L, 1, head_dim / 2]
-    mask = packed_mask(segments)
+    mask = packed_mask(segments) if segments is not None else None
     with T.autocast_context(idx.device.type, getattr(model, "compute_dtype", None)):
         x = x0 = T.norm(model.wte(idx))
         for i, block in enumerate(model.blocks):
@@ -185,7 +192,7 @@ def packed_forward(model, idx: torch.Tensor, positions: torch.Tensor, segments: 
             x = x + block.mlp(T.norm(x))
         logits = model.lm_head(T.norm(x))
     cap = model.config.logit_softcap
-    return cap * torch.tanh(logits.float() / cap)
+    return logits.float().div_(cap).tanh_().mul_(cap)  # cap * tanh(logits / cap), in place: no [B, L, V] copies
 
 
 def probe_sequences(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -271,13 +278,15 @@ class Scorer:
             raise ValueError(f"a sequence of {longest} tokens exceeds the rotary tables ({table})")
         packed = [(pack_group(sequences, shared, members), members)
                   for shared, members in prefix_groups(sequences)]
-        packed.sort(key=lambda p: -len(p[0][0]))
+        # rows that pack several sequences, then lone ones (causal attention), each longest first
+        packed.sort(key=lambda p: (len(p[1]) == 1, -len(p[0][0])))
         results: list = [None] * len(sequences)
         i = 0
         while i < len(packed):
+            lone = len(packed[i][1]) == 1
             length = bucket(len(packed[i][0][0]), LENGTH_BUCKET)
             most = max(1, MAX_BATCH_TOKENS // length)
-            batch = packed[i:i + most]
+            batch = [p for p in packed[i:i + most] if (len(p[1]) == 1) == lone]
             rows = row_bucket(len(batch), most)
             idx = torch.zeros(rows, length, dtype=torch.long)
             positions = torch.zeros(rows, length, dtype=torch.long)
@@ -286,7 +295,7 @@ class Scorer:
                 idx[r, :len(tokens)], positions[r, :len(pos)] = torch.tensor(tokens), torch.tensor(pos)
                 segments[r, :len(seg)] = torch.tensor(seg)
             logits = packed_forward(self.model, idx.to(self.device), positions.to(self.device),
-                                    segments.to(self.device))
+                                    None if lone else segments.to(self.device))
             self.tokens_run += idx.numel()
             for r0 in range(0, len(batch), LOSS_CHUNK_ROWS):
                 chunk = logits[r0:r0 + LOSS_CHUNK_ROWS].float()

@@ -1,7 +1,8 @@
 """CORE inference throughput of inference.py on this machine, before and after the prefix cache in
 the same run: examples per second of the plain scorer (every sequence in full) and of the cached
-one (each example's shared prefix once), the largest loss difference between them, and the
-projected time of the full bundle for each.
+one (each example's shared prefix once), the tokens each runs through the model (padded: the
+work, whatever the machine), the largest loss difference between them, and the projected time of
+the full bundle for each.
 
     python benchmarks/core_throughput.py [--checkpoint out/final.pt] [--examples 6]
 
@@ -51,6 +52,7 @@ CORE_TASKS = [
     ("boolq", "multiple_choice", 10, "\nAnswer: ", 3270, 100, 2, 1),
     ("bigbench_language_identification", "multiple_choice", 10, " ", 10000, 15, 11, 1),
 ]
+SHOT_POOL = 256  # imitated examples per task that few-shot examples are drawn from
 WORDS = ("the of and to in is was for on that with as by at from he it his an were are which this be or had "
          "not but first one their its new after who they have her she two been other when there all during into "
          "school time may years more most only over city some world would where later up such used many can "
@@ -69,17 +71,18 @@ def imitation(task_type, context_words, choices, choice_words, n, rng):
     return [{"context": words(context_words), "continuation": words(choice_words)} for _ in range(n)]
 
 
-def score_task(scorer, tokenizer, task, data, per_call):
-    """(seconds per example, every sequence's losses) for one imitated task."""
+def score_task(scorer, tokenizer, task, data, n, per_call):
+    """(seconds per example, every sequence's losses) for the first n examples of an imitated task
+    (their shots drawn from all of data, as the harness draws them)."""
     label, task_type, shots, delim = task[:4]
     t = C.Task(label, task_type, shots, delim, "", 0.0)
-    requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len) for i in range(len(data))]
+    requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len) for i in range(n)]
     losses = []
     t0 = time.perf_counter()
     for lo in range(0, len(requests), per_call):
         chunk = requests[lo:lo + per_call]
         losses += [l for l, _ in scorer.score([s for r in chunk for s in r.sequences])]
-    return (time.perf_counter() - t0) / len(data), losses
+    return (time.perf_counter() - t0) / n, losses
 
 
 def main():
@@ -114,31 +117,40 @@ def main():
     rng = random.Random(0)
     warmup = imitation("multiple_choice", 20, 4, 5, 4, random.Random(1))
     for scorer in scorers.values():  # first-call allocations and kernel choices stay out of the timings
-        score_task(scorer, tokenizer, CORE_TASKS[0], warmup, args.examples_per_call)
+        score_task(scorer, tokenizer, CORE_TASKS[0], warmup, len(warmup), args.examples_per_call)
     projected = {mode: 0.0 for mode in scorers}
     measured = {mode: 0.0 for mode in scorers}
     count, worst = 0, 0.0
     dtype = str(model.compute_dtype or torch.float32).replace("torch.", "")
     print(f"model: {model.num_params() / 1e6:.1f}M parameters, max_seq_len {scorers['plain'].max_seq_len}, "
           f"device {device}, {dtype}, {args.examples_per_call} examples per call")
+    for scorer in scorers.values():
+        scorer.tokens_run = 0
     for task in tasks:
-        data = imitation(task[1], task[5], task[6], task[7], max(args.examples, task[2] + 2), rng)
-        seconds, losses = {}, {}
+        # a pool as large as the task (up to SHOT_POOL), so examples share few-shot examples as rarely as
+        # in the real bundle (shared shots are shared prefixes); the first --examples are scored
+        n = max(1, min(args.examples, task[4] - 1))
+        data = imitation(task[1], task[5], task[6], task[7], max(n, min(task[4], SHOT_POOL)), rng)
+        seconds, losses, tokens = {}, {}, {}
         for mode, scorer in scorers.items():
-            seconds[mode], losses[mode] = score_task(scorer, tokenizer, task, data, args.examples_per_call)
+            before = scorer.tokens_run
+            seconds[mode], losses[mode] = score_task(scorer, tokenizer, task, data, n, args.examples_per_call)
+            tokens[mode] = scorer.tokens_run - before
             projected[mode] += seconds[mode] * task[4]
-            measured[mode] += seconds[mode] * len(data)
+            measured[mode] += seconds[mode] * n
         diff = max(float((a - b).abs().max()) for a, b in zip(losses["plain"], losses["cached"]))
         worst = max(worst, diff)
-        count += len(data)
+        count += n
         print(f"{task[0]:<34} {task[4]:>6} examples | plain {1 / seconds['plain']:7.2f} ex/s | "
               f"cached {1 / seconds['cached']:7.2f} ex/s | x{seconds['plain'] / seconds['cached']:.2f} | "
-              f"max loss diff {diff:.2g}")
+              f"tokens /{tokens['plain'] / tokens['cached']:.2f} | max loss diff {diff:.2g}")
     print("---")
     print(f"examples_measured:             {count} per scorer")
     print(f"examples_per_second_plain:     {count / measured['plain']:.2f}")
     print(f"examples_per_second_cached:    {count / measured['cached']:.2f}")
     print(f"speedup:                       {measured['plain'] / measured['cached']:.2f}")
+    print(f"tokens_per_example_plain:      {scorers['plain'].tokens_run / count:.0f} (padded)")
+    print(f"tokens_per_example_cached:     {scorers['cached'].tokens_run / count:.0f} (padded)")
     print(f"max_loss_diff:                 {worst:.3g} nats")
     if len(tasks) == len(CORE_TASKS):
         print(f"projected_full_bundle_plain:   {projected['plain'] / 3600:.2f} h")
