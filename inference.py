@@ -23,13 +23,23 @@ question), so this scorer computes that prefix once per example instead of once 
   the ones the model computes for it alone;
 - each member's losses and greedy predictions are read from the prefix positions and its own.
 
-Packed rows are sorted by length, padded on the right to a bucketed length (and the last batch to
-a bucketed row count), and run as many per forward as fit in MAX_BATCH_TOKENS, so a compiled or
-Neuron model sees few shapes. packed_forward reproduces train.py's GPT.forward from the model's own
+Packed rows are sorted by length, padded on the right to a bucketed length, and run as many per
+forward as fit in MAX_BATCH_TOKENS; on a device that compiles a graph per shape (Neuron) the last
+batch of a call is also padded to a power-of-two row count, so the model sees few shapes. packed_forward reproduces train.py's GPT.forward from the model's own
 modules (x0 mixing, rotary + QK-norm, ReLU^2 MLP, softcap); when the model lacks those pieces or
 a small probe shows that packed_forward no longer computes what model(x) does (a changed
 architecture), the scorer says so once and scores every sequence in full (score_plain), padded
-in batches the same way.
+in batches the same way. If you change the GPT in train.py, change packed_forward with it: until
+then the probe keeps the cache off.
+
+Why packed rows and not a KV cache: one forward per batch, nothing kept between forwards, and the
+plain path's static-shape batching; the price is attention over the whole packed row (the mask
+hides most of it between continuations), where suffix passes over a cache would attend only from
+each continuation. The levers left: a CPU profile of this scorer on the CPU preset model puts
+about a third of its time in matmuls and about a quarter each in attention and in the fp32 work on
+the [tokens, vocab] logits (softcap, log-softmax, argmax). Fusing that work into one pass (softcap,
+log-sum-exp, the target's log-prob, the argmax) is next, then attention that skips what the mask
+hides.
 """
 from __future__ import annotations
 
@@ -47,6 +57,7 @@ LOSS_CHUNK_ROWS = 8  # rows whose fp32 log-softmax is materialised at once
 PREFIX_CACHE = True  # compute a prefix shared by several sequences once (False: every sequence in full)
 MIN_SHARED_PREFIX = 16  # tokens two sequences must share to be packed together; fewer are not worth a longer row
 MAX_ROW_TOKENS = 4096  # a packed row's length at most: bounds its [L, L] attention mask
+STATIC_ROW_DEVICES = ("neuron",)  # devices that compile per shape: a last batch's rows padded to a power of two
 # nats: a probe sequence's mean |packed - plain loss| at load time; low precision differs by rounding only,
 # and stays well inside the harness's verification tolerance (0.05 nats on a mean loss)
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.02, torch.float16: 0.02}
@@ -287,7 +298,7 @@ class Scorer:
             length = bucket(len(packed[i][0][0]), LENGTH_BUCKET)
             most = max(1, MAX_BATCH_TOKENS // length)
             batch = [p for p in packed[i:i + most] if (len(p[1]) == 1) == lone]
-            rows = row_bucket(len(batch), most)
+            rows = row_bucket(len(batch), most) if self.device.type in STATIC_ROW_DEVICES else len(batch)
             idx = torch.zeros(rows, length, dtype=torch.long)
             positions = torch.zeros(rows, length, dtype=torch.long)
             segments = torch.full((rows, length), -1, dtype=torch.long)

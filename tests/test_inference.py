@@ -51,12 +51,11 @@ def core_like_sequences(seed=0, examples=12) -> list[list[int]]:
 
 def top2_margins(model, sequences) -> list[torch.Tensor]:
     """The plain model's gap between its best and second-best logit at each scored position."""
-    out = []
-    for seq in sequences:
-        logits = model(torch.tensor([seq]))[0, :-1]
-        top = logits.topk(2, dim=-1).values
-        out.append(top[:, 0] - top[:, 1])
-    return out
+    x = torch.zeros(len(sequences), max(len(s) for s in sequences), dtype=torch.long)
+    for r, seq in enumerate(sequences):
+        x[r, :len(seq)] = torch.tensor(seq)  # right padding: a causal model's positions never see it
+    top = model(x).topk(2, dim=-1).values
+    return [top[r, :len(seq) - 1, 0] - top[r, :len(seq) - 1, 1] for r, seq in enumerate(sequences)]
 
 
 # --- grouping and packing ------------------------------------------------------------------------
@@ -82,7 +81,8 @@ def test_prefix_groups_pack_the_choices_of_each_example():
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_prefix_cached_scores_equal_the_plain_scorer(dtype, monkeypatch, capsys):
-    monkeypatch.setattr(I, "MAX_BATCH_TOKENS", 1024)  # several batches, and a last one padded with rows
+    monkeypatch.setattr(I, "MAX_BATCH_TOKENS", 1024)  # several batches,
+    monkeypatch.setattr(I, "STATIC_ROW_DEVICES", ("cpu",))  # and a last one padded with rows, as on Neuron
     model = tiny_gpt(dtype)
     sequences = core_like_sequences()
     plain, cached = I.Scorer(model, torch.device("cpu"), prefix_cache=False), I.Scorer(model, torch.device("cpu"))
@@ -144,6 +144,7 @@ def test_a_changed_forward_turns_the_cache_off(capsys):
 
 # --- the harness verifies the cached scorer --------------------------------------------------------
 
+@pytest.mark.slow
 def test_eval_core_verifies_the_prefix_cached_scorer(tmp_path, text_dataset, tiny_checkpoint, capsys):
     bundle = make_bundle(tmp_path)
     scorer = I.load_scorer(str(tiny_checkpoint), torch.device("cpu"))
