@@ -295,7 +295,7 @@ class Scorer:
         i = 0
         while i < len(packed):
             lone = len(packed[i][1]) == 1
-            length = bucket(len(packed[i][0][0]), LENGTH_BUCKET)
+            length = bucket(max(1, len(packed[i][0][0])), LENGTH_BUCKET)
             most = max(1, MAX_BATCH_TOKENS // length)
             batch = [p for p in packed[i:i + most] if (len(p[1]) == 1) == lone]
             rows = row_bucket(len(batch), most) if self.device.type in STATIC_ROW_DEVICES else len(batch)
@@ -309,13 +309,21 @@ class Scorer:
                                     None if lone else segments.to(self.device))
             self.tokens_run += idx.numel()
             for r0 in range(0, len(batch), LOSS_CHUNK_ROWS):
-                chunk = logits[r0:r0 + LOSS_CHUNK_ROWS].float()
+                chunk = logits[r0:r0 + LOSS_CHUNK_ROWS]
                 log_probs, greedy = F.log_softmax(chunk, dim=-1), chunk.argmax(dim=-1)
+                # every member's (row, input index, target) of the chunk: one gather, one copy back
+                rows_, inputs, targets, owners, sizes = [], [], [], [], []
                 for r, ((_, _, _, where), members) in enumerate(batch[r0:r0 + LOSS_CHUNK_ROWS]):
                     for m, w in zip(members, where):
-                        w = torch.tensor(w, device=logits.device)
-                        targets = torch.tensor(sequences[m][1:], device=logits.device)
-                        results[m] = (-log_probs[r, w, targets].cpu(), greedy[r, w].cpu())
+                        rows_ += [r] * len(w)
+                        inputs += w
+                        targets += sequences[m][1:]
+                        owners.append(m)
+                        sizes.append(len(w))
+                r, t, y = torch.tensor([rows_, inputs, targets], device=logits.device)
+                losses, preds = (-log_probs[r, t, y]).cpu().split(sizes), greedy[r, t].cpu().split(sizes)
+                for m, loss, pred in zip(owners, losses, preds):
+                    results[m] = (loss, pred)
             i += len(batch)
         return results
 

@@ -101,6 +101,7 @@ def test_prefix_cached_scores_equal_the_plain_scorer(dtype, monkeypatch, capsys)
         assert torch.equal(greedy[clear], want_greedy[clear])
         compared += int(clear.sum())
     assert compared > 0.8 * sum(len(s) - 1 for s in sequences)
+    assert [tuple(losses.shape) for losses, _ in cached.score([[5], [5, 6]])] == [(0,), (1,)]
     with pytest.raises(ValueError, match="exceeds the rotary tables"):
         cached.score([[1] * (model.cos.shape[1] + 2)])
 
