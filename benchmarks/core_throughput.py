@@ -119,6 +119,7 @@ def main():
     for scorer in scorers.values():  # first-call allocations and kernel choices stay out of the timings
         score_task(scorer, tokenizer, CORE_TASKS[0], warmup, len(warmup), args.examples_per_call)
     projected = {mode: 0.0 for mode in scorers}
+    projected_tokens = {mode: 0.0 for mode in scorers}
     measured = {mode: 0.0 for mode in scorers}
     count, worst = 0, 0.0
     dtype = str(model.compute_dtype or torch.float32).replace("torch.", "")
@@ -137,6 +138,7 @@ def main():
             seconds[mode], losses[mode] = score_task(scorer, tokenizer, task, data, n, args.examples_per_call)
             tokens[mode] = scorer.tokens_run - before
             projected[mode] += seconds[mode] * task[4]
+            projected_tokens[mode] += tokens[mode] / n * task[4]
             measured[mode] += seconds[mode] * n
         diff = max(float((a - b).abs().max()) for a, b in zip(losses["plain"], losses["cached"]))
         worst = max(worst, diff)
@@ -155,6 +157,8 @@ def main():
     if len(tasks) == len(CORE_TASKS):
         print(f"projected_full_bundle_plain:   {projected['plain'] / 3600:.2f} h")
         print(f"projected_full_bundle_cached:  {projected['cached'] / 3600:.2f} h")
+        print(f"full_bundle_tokens_plain:      {projected_tokens['plain'] / 1e6:.1f}M (padded)")
+        print(f"full_bundle_tokens_cached:     {projected_tokens['cached'] / 1e6:.1f}M (padded)")
 
 
 if __name__ == "__main__":
