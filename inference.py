@@ -43,6 +43,7 @@ hides.
 """
 from __future__ import annotations
 
+import os
 import random
 import sys
 
@@ -67,14 +68,6 @@ PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.02, torch.float16: 0.0
 # Grouping: which sequences share a prefix, and how a group is packed into one row
 # -----------------------------------------------------------------------------------------------
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def packed_length(shared: int, lengths: list[int]) -> int:
     """Tokens in a packed row: the shared prefix once, then each member's input after it. A
     sequence of n tokens is n - 1 inputs (its last token is only ever a target)."""
@@ -95,7 +88,7 @@ def prefix_groups(sequences: list[list[int]], min_shared: int = MIN_SHARED_PREFI
         if groups:
             shared, members = groups[-1]
             lengths = [len(sequences[m]) for m in members]
-            joined = min(shared, common_prefix_length(sequences[members[0]], seq), len(seq) - 1)
+            joined = min(shared, len(os.path.commonprefix([sequences[members[0]], seq])), len(seq) - 1)
             size = packed_length(joined, lengths + [len(seq)])
             if joined >= min_shared and size < packed_length(shared, lengths) + len(seq) - 1 and size <= max_row:
                 groups[-1] = (joined, members + [i])
@@ -190,7 +183,7 @@ def packed_mask(segments: torch.Tensor) -> torch.Tensor:
 def packed_forward(model, idx: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
     """Logits [B, L, vocab] (fp32, softcapped) of train.py's GPT over packed rows: idx, positions
     (rotary) and segments (see packed_mask) all [B, L]; segments None when every row holds one
-    sequence (plain causal attention, which skips the masked half). Equal to model(x) for each
+    sequence (plain causal attention, as model(x) runs it). Equal to model(x) for each
     member alone."""
     T = model_module(model)
     cos, sin = model.cos[0, positions], model.sin[0, positions]  # [B, L, 1, head_dim / 2]
