@@ -9,7 +9,7 @@ the full bundle for each.
 The real bundle is not needed: each of the 22 CORE tasks is imitated with random words in its real
 shape (type, shots, delimiter, number of choices, rough text lengths), and the projection weights
 each task's measured seconds per example by its real size (about 92K examples in all). Without a
-checkpoint, a freshly initialised CPU-preset model is used (speed does not depend on the weights).
+checkpoint, a randomly initialised CPU-preset model is used (speed does not depend on the weights).
 Both scorers get the same sequences, examples_per_call examples per call, as the harness sends them."""
 import argparse
 import os
@@ -100,6 +100,10 @@ def main():
         hp = T.parse_hyperparameters(["--preset", "cpu"])
         model = T.GPT(T.model_config(hp))
         model.init_weights()
+        with torch.no_grad():  # init_weights zeroes the blocks' output projections: random ones make
+            for block in model.blocks:  # attention and the MLPs count in the loss comparison
+                torch.nn.init.normal_(block.attn.c_proj.weight, std=0.02)
+                torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.02)
         checkpoint = os.path.join(tempfile.mkdtemp(), "final.pt")
         T.save_checkpoint(Path(checkpoint), model, {})
     tasks = CORE_TASKS
