@@ -12,12 +12,40 @@ The interface (all the harness calls):
         greedy  int   [n - 1]   greedy[t] = argmax of the model's distribution for seq[t + 1]
 
 The harness hands over all sequences of many examples at once (every choice of every example in
-the chunk); this scorer sorts them by length, pads each batch on the right to a bucketed length
-(a causal model's positions never see the padding) and runs as many rows per forward as fit in
-MAX_BATCH_TOKENS. The largest lever left: the choices of one example share a long few-shot
-prefix, which this scorer computes once per choice; a KV cache in the model would compute it once.
+the chunk). The choices of one example share a long prefix (the few-shot examples and the
+question), so this scorer computes that prefix once per example instead of once per choice:
+
+- it sorts the sequences, groups neighbours by their longest common prefix (prefix_groups) and
+  packs each group into one row: the shared prefix, then every member's own continuation;
+- one forward runs the packed rows with a mask (a continuation token sees the prefix and the
+  earlier tokens of its own continuation, never another member's) and rotary positions that
+  continue from the prefix into each continuation (packed_forward), so every member's logits are
+  the ones the model computes for it alone;
+- each member's losses and greedy predictions are read from the prefix positions and its own.
+
+Packed rows are sorted by length, padded on the right to a bucketed length, and run as many per
+forward as fit in MAX_BATCH_TOKENS; on a device that compiles a graph per shape (Neuron) the last
+batch of a call is also padded to a power-of-two row count, so the model sees few shapes. packed_forward reproduces train.py's GPT.forward from the model's own
+modules (x0 mixing, rotary + QK-norm, ReLU^2 MLP, softcap); when the model lacks those pieces or
+a small probe shows that packed_forward no longer computes what model(x) does (a changed
+architecture), the scorer says so once and scores every sequence in full (score_plain), padded
+in batches the same way. If you change the GPT in train.py, change packed_forward with it: until
+then the probe keeps the cache off.
+
+Why packed rows and not a KV cache: one forward per batch, nothing kept between forwards, and the
+plain path's static-shape batching; the price is attention over the whole packed row (the mask
+hides most of it between continuations), where suffix passes over a cache would attend only from
+each continuation. The levers left: a CPU profile of this scorer on the CPU preset model puts
+about a third of its time in matmuls and about a quarter each in attention and in the fp32 work on
+the [tokens, vocab] logits (softcap, log-softmax, argmax). Fusing that work into one pass (softcap,
+log-sum-exp, the target's log-prob, the argmax) is next, then attention that skips what the mask
+hides.
 """
 from __future__ import annotations
+
+import os
+import random
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -27,26 +55,213 @@ from train import load_for_eval
 MAX_BATCH_TOKENS = 16384  # tokens per forward (rows x padded length)
 LENGTH_BUCKET = 64  # pad lengths up to a multiple of this, so a compiled model sees few shapes
 LOSS_CHUNK_ROWS = 8  # rows whose fp32 log-softmax is materialised at once
+PREFIX_CACHE = True  # compute a prefix shared by several sequences once (False: every sequence in full)
+MIN_SHARED_PREFIX = 16  # tokens two sequences must share to be packed together; fewer are not worth a longer row
+MAX_ROW_TOKENS = 4096  # a packed row's length at most: bounds its [L, L] attention mask
+STATIC_ROW_DEVICES = ("neuron",)  # devices that compile per shape: a last batch's rows padded to a power of two
+# nats: a probe sequence's mean |packed - plain loss| at load time; low precision differs by rounding only,
+# and stays well inside the harness's verification tolerance (0.05 nats on a mean loss)
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.02, torch.float16: 0.02}
 
+
+# -----------------------------------------------------------------------------------------------
+# Grouping: which sequences share a prefix, and how a group is packed into one row
+# -----------------------------------------------------------------------------------------------
+
+def packed_length(shared: int, lengths: list[int]) -> int:
+    """Tokens in a packed row: the shared prefix once, then each member's input after it. A
+    sequence of n tokens is n - 1 inputs (its last token is only ever a target)."""
+    return shared + sum(n - 1 - shared for n in lengths)
+
+
+def prefix_groups(sequences: list[list[int]], min_shared: int = MIN_SHARED_PREFIX,
+                  max_row: int = MAX_ROW_TOKENS) -> list[tuple[int, list[int]]]:
+    """Groups of sequences that share a prefix, as (shared, member indices): sequences sorted, then
+    each joins its predecessor's group when the group's common prefix stays at least min_shared
+    tokens, packing saves tokens, and the row stays within max_row. shared is the common prefix,
+    capped so that every member keeps at least its last input after it (a lone sequence of n
+    tokens: n - 1, the whole input)."""
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i])
+    groups: list[tuple[int, list[int]]] = []
+    for i in order:
+        seq = sequences[i]
+        if groups:
+            shared, members = groups[-1]
+            lengths = [len(sequences[m]) for m in members]
+            joined = min(shared, len(os.path.commonprefix([sequences[members[0]], seq])), len(seq) - 1)
+            size = packed_length(joined, lengths + [len(seq)])
+            if joined >= min_shared and size < packed_length(shared, lengths) + len(seq) - 1 and size <= max_row:
+                groups[-1] = (joined, members + [i])
+                continue
+        groups.append((len(seq) - 1, [i]))
+    return groups
+
+
+def pack_group(sequences: list[list[int]], shared: int, members: list[int]):
+    """One packed row: (tokens, positions, segments, per member its input indices in the row).
+    Segment 0 is the shared prefix, segment k the continuation of the k-th member."""
+    first = sequences[members[0]]
+    tokens, positions, segments = list(first[:shared]), list(range(shared)), [0] * shared
+    where = []
+    for k, m in enumerate(members, 1):
+        seq = sequences[m]
+        own = list(range(len(tokens), len(tokens) + len(seq) - 1 - shared))
+        where.append(list(range(shared)) + own)
+        tokens += seq[shared:len(seq) - 1]
+        positions += range(shared, len(seq) - 1)
+        segments += [k] * len(own)
+    return tokens, positions, segments, where
+
+
+def bucket(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def row_bucket(rows: int, most: int) -> int:
+    """Rows of a batch rounded up to a power of two (at most `most`): few shapes for the last batch."""
+    return min(most, 1 << (rows - 1).bit_length())
+
+
+# -----------------------------------------------------------------------------------------------
+# The model over packed rows, from its own modules
+# -----------------------------------------------------------------------------------------------
+
+MODEL_PIECES = ("wte", "blocks", "lm_head", "resid_lambdas", "x0_lambdas", "cos", "sin", "config")
+BLOCK_PIECES = ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "attn.n_head", "attn.head_dim", "mlp")
+MODULE_FUNCTIONS = ("norm", "rope_qknorm", "autocast_context")
+
+
+def model_module(model: torch.nn.Module):
+    """The module that defines the model's class or the nearest base class that has the functions
+    the model's forward uses (train.py's norm, rope_qknorm, autocast_context); None if none does."""
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if all(hasattr(module, f) for f in MODULE_FUNCTIONS):
+            return module
+    return None
+
+
+def missing_pieces(model: torch.nn.Module) -> list[str]:
+    """What packed_forward needs and the model lacks (empty: it has everything)."""
+    def has(obj, dotted):
+        for name in dotted.split("."):
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    missing = [p for p in MODEL_PIECES if not has(model, p)]
+    if not missing:
+        missing += [f"blocks[*].{p}" for p in BLOCK_PIECES if not all(has(b, p) for b in model.blocks)]
+        if not has(model.config, "logit_softcap"):
+            missing.append("config.logit_softcap")
+    if model_module(model) is None:
+        missing.append(f"module defining {', '.join(MODULE_FUNCTIONS)} (as train.py does)")
+    return missing
+
+
+def packed_attention(attn, x, cos, sin, mask, rope_qknorm):
+    """train.py's CausalSelfAttention.forward with rotary angles per token and a mask (None: causal)."""
+    B, L, C = x.shape
+    q = attn.c_q(x).view(B, L, attn.n_head, attn.head_dim)
+    k = attn.c_k(x).view(B, L, attn.n_head, attn.head_dim)
+    v = attn.c_v(x).view(B, L, attn.n_head, attn.head_dim)
+    q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                       is_causal=mask is None)
+    return attn.c_proj(y.transpose(1, 2).reshape(B, L, C))
+
+
+def packed_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool: token j sees token i <= j when i is in the shared prefix (segment 0) or in
+    j's own segment. Padding (segment -1) sees the prefix and itself, so no row is empty."""
+    L = segments.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=segments.device).tril()
+    key, query = segments[:, None, :], segments[:, :, None]
+    return (causal & ((key == 0) | (key == query)))[:, None]
+
+
+def packed_forward(model, idx: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    """Logits [B, L, vocab] (fp32, softcapped) of train.py's GPT over packed rows: idx, positions
+    (rotary) and segments (see packed_mask) all [B, L]; segments None when every row holds one
+    sequence (plain causal attention, as model(x) runs it). Equal to model(x) for each
+    member alone."""
+    T = model_module(model)
+    cos, sin = model.cos[0, positions], model.sin[0, positions]  # [B, L, 1, head_dim / 2]
+    mask = packed_mask(segments) if segments is not None else None
+    with T.autocast_context(idx.device.type, getattr(model, "compute_dtype", None)):
+        x = x0 = T.norm(model.wte(idx))
+        for i, block in enumerate(model.blocks):
+            x = model.resid_lambdas[i] * x + model.x0_lambdas[i] * x0
+            x = x + packed_attention(block.attn, T.norm(x), cos, sin, mask, T.rope_qknorm)
+            x = x + block.mlp(T.norm(x))
+        logits = model.lm_head(T.norm(x))
+    cap = model.config.logit_softcap
+    return logits.float().div_(cap).tanh_().mul_(cap)  # cap * tanh(logits / cap), in place: no [B, L, V] copies
+
+
+def probe_sequences(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random sequences in CORE's shape: three continuations of one prefix, and one alone."""
+    rng = random.Random(seed)
+    words = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    prefix = words(2 * MIN_SHARED_PREFIX + 5)
+    return [prefix + words(3), prefix + words(9), prefix + words(17), words(29)]
+
+
+# -----------------------------------------------------------------------------------------------
+# The scorer
+# -----------------------------------------------------------------------------------------------
 
 class Scorer:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, prefix_cache: bool = PREFIX_CACHE):
         self.model, self.device = model, device
         self.max_seq_len = model.cos.shape[1]  # the rotary tables' length: the longest input the GPT takes
+        self.tokens_run = 0  # rows x padded length of every forward so far: the work, whatever the machine
+        self.prefix_cache = prefix_cache and self.packing_works()
+
+    def packing_works(self) -> bool:
+        """Whether packed_forward can score this model: it has the pieces, and on a probe the packed
+        losses equal the plain ones. Says why not, once."""
+        missing = missing_pieces(self.model)
+        problem = f"the model has no {', '.join(missing)}" if missing else ""
+        if not problem:
+            dtype = getattr(self.model, "compute_dtype", None) or torch.float32
+            tolerance = PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE[torch.bfloat16])
+            try:
+                probe = probe_sequences(self.model.wte.num_embeddings)
+                packed, plain = self.score_packed(probe), self.score_plain(probe)
+            except Exception as e:
+                problem = f"packed_forward failed on a probe ({type(e).__name__}: {e})"
+            else:
+                diff = max(float((a[0] - b[0]).abs().mean()) for a, b in zip(packed, plain))
+                if not diff <= tolerance:
+                    problem = (f"on a probe its losses differ from model(x)'s by {diff:.3g} nats on average "
+                               f"(tolerance {tolerance}): the model's forward is not the one packed_forward reproduces")
+            self.tokens_run = 0
+        if problem:
+            print(f"inference.py: prefix cache off, every sequence is scored in full: {problem}", file=sys.stderr,
+                  flush=True)
+        return not problem
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.score_packed(sequences) if self.prefix_cache else self.score_plain(sequences)
+
+    @torch.no_grad()
+    def score_plain(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every sequence in full through model(x): sorted by length, right-padded to a bucket (a
+        causal model's positions never see the padding)."""
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
         results: list = [None] * len(sequences)
         i = 0
         while i < len(order):
-            length = -(-len(sequences[order[i]]) // LENGTH_BUCKET) * LENGTH_BUCKET
+            length = bucket(len(sequences[order[i]]), LENGTH_BUCKET)
             rows = order[i:i + max(1, MAX_BATCH_TOKENS // length)]
             x = torch.zeros(len(rows), length, dtype=torch.long)
             for r, k in enumerate(rows):
                 x[r, :len(sequences[k])] = torch.tensor(sequences[k])
             x = x.to(self.device)
             logits = self.model(x)[:, :-1]
+            self.tokens_run += x.numel()
             for r0 in range(0, len(rows), LOSS_CHUNK_ROWS):
                 chunk = logits[r0:r0 + LOSS_CHUNK_ROWS].float()
                 targets = x[r0:r0 + LOSS_CHUNK_ROWS, 1:]
@@ -56,6 +271,53 @@ class Scorer:
                     n = len(sequences[k]) - 1
                     results[k] = (losses[r, :n].cpu(), greedy[r, :n].cpu())
             i += len(rows)
+        return results
+
+    @torch.no_grad()
+    def score_packed(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each group of sequences that share a prefix as one packed row (see the module docstring)."""
+        table = self.model.cos.shape[1]
+        longest = max((len(s) for s in sequences), default=0)
+        if longest - 1 > table:
+            raise ValueError(f"a sequence of {longest} tokens exceeds the rotary tables ({table})")
+        packed = [(pack_group(sequences, shared, members), members)
+                  for shared, members in prefix_groups(sequences)]
+        # rows that pack several sequences, then lone ones (causal attention), each longest first
+        packed.sort(key=lambda p: (len(p[1]) == 1, -len(p[0][0])))
+        results: list = [None] * len(sequences)
+        i = 0
+        while i < len(packed):
+            lone = len(packed[i][1]) == 1
+            length = bucket(max(1, len(packed[i][0][0])), LENGTH_BUCKET)
+            most = max(1, MAX_BATCH_TOKENS // length)
+            batch = [p for p in packed[i:i + most] if (len(p[1]) == 1) == lone]
+            rows = row_bucket(len(batch), most) if self.device.type in STATIC_ROW_DEVICES else len(batch)
+            idx = torch.zeros(rows, length, dtype=torch.long)
+            positions = torch.zeros(rows, length, dtype=torch.long)
+            segments = torch.full((rows, length), -1, dtype=torch.long)
+            for r, ((tokens, pos, seg, _), _) in enumerate(batch):
+                idx[r, :len(tokens)], positions[r, :len(pos)] = torch.tensor(tokens), torch.tensor(pos)
+                segments[r, :len(seg)] = torch.tensor(seg)
+            logits = packed_forward(self.model, idx.to(self.device), positions.to(self.device),
+                                    None if lone else segments.to(self.device))
+            self.tokens_run += idx.numel()
+            for r0 in range(0, len(batch), LOSS_CHUNK_ROWS):
+                chunk = logits[r0:r0 + LOSS_CHUNK_ROWS]
+                log_probs, greedy = F.log_softmax(chunk, dim=-1), chunk.argmax(dim=-1)
+                # every member's (row, input index, target) of the chunk: one gather, one copy back
+                rows_, inputs, targets, owners, sizes = [], [], [], [], []
+                for r, ((_, _, _, where), members) in enumerate(batch[r0:r0 + LOSS_CHUNK_ROWS]):
+                    for m, w in zip(members, where):
+                        rows_ += [r] * len(w)
+                        inputs += w
+                        targets += sequences[m][1:]
+                        owners.append(m)
+                        sizes.append(len(w))
+                r, t, y = torch.tensor([rows_, inputs, targets], device=logits.device)
+                losses, preds = (-log_probs[r, t, y]).cpu().split(sizes), greedy[r, t].cpu().split(sizes)
+                for m, loss, pred in zip(owners, losses, preds):
+                    results[m] = (loss, pred)
+            i += len(batch)
         return results
 
 

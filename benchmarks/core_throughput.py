@@ -1,13 +1,16 @@
-"""CORE inference throughput of inference.py on this machine: examples per second with examples
-batched across forwards vs one example per forward (nanochat's way), and the projected time for
-the full bundle.
+"""CORE inference throughput of inference.py on this machine, before and after the prefix cache in
+the same run: examples per second of the plain scorer (every sequence in full) and of the cached
+one (each example's shared prefix once), the tokens each runs through the model (padded: the
+work, whatever the machine), the largest loss difference between them, and the projected time of
+the full bundle for each.
 
     python benchmarks/core_throughput.py [--checkpoint out/final.pt] [--examples 6]
 
 The real bundle is not needed: each of the 22 CORE tasks is imitated with random words in its real
 shape (type, shots, delimiter, number of choices, rough text lengths), and the projection weights
 each task's measured seconds per example by its real size (about 92K examples in all). Without a
-checkpoint, a freshly initialised CPU-preset model is used (speed does not depend on the weights)."""
+checkpoint, a randomly initialised CPU-preset model is used (speed does not depend on the weights).
+Both scorers get the same sequences, examples_per_call examples per call, as the harness sends them."""
 import argparse
 import os
 import random
@@ -49,6 +52,7 @@ CORE_TASKS = [
     ("boolq", "multiple_choice", 10, "\nAnswer: ", 3270, 100, 2, 1),
     ("bigbench_language_identification", "multiple_choice", 10, " ", 10000, 15, 11, 1),
 ]
+SHOT_POOL = 256  # imitated examples per task that few-shot examples are drawn from
 WORDS = ("the of and to in is was for on that with as by at from he it his an were are which this be or had "
          "not but first one their its new after who they have her she two been other when there all during into "
          "school time may years more most only over city some world would where later up such used many can "
@@ -67,21 +71,27 @@ def imitation(task_type, context_words, choices, choice_words, n, rng):
     return [{"context": words(context_words), "continuation": words(choice_words)} for _ in range(n)]
 
 
-def seconds_per_example(scorer, tokenizer, task, data, per_call):
+def score_task(scorer, tokenizer, task, data, n, per_call):
+    """(seconds per example, every sequence's losses) for the first n examples of an imitated task
+    (their shots drawn from all of data, as the harness draws them)."""
     label, task_type, shots, delim = task[:4]
     t = C.Task(label, task_type, shots, delim, "", 0.0)
-    t0 = time.time()
-    for lo in range(0, len(data), per_call):
-        requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len)
-                    for i in range(lo, min(lo + per_call, len(data)))]
-        scorer.score([s for r in requests for s in r.sequences])
-    return (time.time() - t0) / len(data)
+    requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len) for i in range(n)]
+    losses = []
+    t0 = time.perf_counter()
+    for lo in range(0, len(requests), per_call):
+        chunk = requests[lo:lo + per_call]
+        losses += [l for l, _ in scorer.score([s for r in chunk for s in r.sequences])]
+    return (time.perf_counter() - t0) / n, losses
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--examples", type=int, default=6, help="imitated examples per task and mode")
+    parser.add_argument("--examples", type=int, default=6, help="imitated examples per task")
+    parser.add_argument("--examples-per-call", type=int, default=C.EXAMPLES_PER_CALL,
+                        help="examples handed to score() at once (the harness's default)")
+    parser.add_argument("--tasks", default=None, help="comma-separated task labels (default: all 22)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     device = torch.device(args.device or prepare.detect_device_type())
@@ -90,32 +100,69 @@ def main():
         hp = T.parse_hyperparameters(["--preset", "cpu"])
         model = T.GPT(T.model_config(hp))
         model.init_weights()
+        with torch.no_grad():  # init_weights zeroes the blocks' output projections: random ones make
+            for block in model.blocks:  # attention and the MLPs count in the loss comparison
+                torch.nn.init.normal_(block.attn.c_proj.weight, std=0.02)
+                torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.02)
         checkpoint = os.path.join(tempfile.mkdtemp(), "final.pt")
         T.save_checkpoint(Path(checkpoint), model, {})
-    scorer = inference.load_scorer(checkpoint, device)
+    tasks = CORE_TASKS
+    if args.tasks:
+        wanted = set(args.tasks.split(","))
+        tasks = [t for t in CORE_TASKS if t[0] in wanted]
+        if len(tasks) != len(wanted):
+            raise SystemExit(f"error: --tasks: unknown {sorted(wanted - {t[0] for t in CORE_TASKS})}")
+    model = inference.load_for_eval(checkpoint, device)
+    scorers = {"plain": inference.Scorer(model, device, prefix_cache=False), "cached": inference.Scorer(model, device)}
+    if not scorers["cached"].prefix_cache:
+        raise SystemExit("error: the prefix cache is off for this model (the reason is printed above); there is "
+                         "nothing to compare")
     tokenizer = prepare.ensure_tokenizer()
     rng = random.Random(0)
-    totals = {1: 0.0, C.EXAMPLES_PER_CALL: 0.0}
-    measured = {1: 0.0, C.EXAMPLES_PER_CALL: 0.0}
-    count = 0
-    print(f"model: {scorer.model.num_params() / 1e6:.1f}M parameters, max_seq_len {scorer.max_seq_len}, device {device}")
-    for task in CORE_TASKS:
-        data = imitation(task[1], task[5], task[6], task[7], max(args.examples, task[2] + 2), rng)
-        row = []
-        for per_call in (1, C.EXAMPLES_PER_CALL):
-            s = seconds_per_example(scorer, tokenizer, task, data, per_call)
-            totals[per_call] += s * task[4]
-            measured[per_call] += s * len(data)
-            row.append(s)
-        count += len(data)
-        print(f"{task[0]:<34} {task[4]:>6} examples | one per forward {1 / row[0]:7.2f} ex/s | "
-              f"batched {1 / row[1]:7.2f} ex/s | x{row[0] / row[1]:.2f}")
+    warmup = imitation("multiple_choice", 20, 4, 5, 4, random.Random(1))
+    for scorer in scorers.values():  # first-call allocations and kernel choices stay out of the timings
+        score_task(scorer, tokenizer, CORE_TASKS[0], warmup, len(warmup), args.examples_per_call)
+    projected = {mode: 0.0 for mode in scorers}
+    projected_tokens = {mode: 0.0 for mode in scorers}
+    measured = {mode: 0.0 for mode in scorers}
+    count, worst = 0, 0.0
+    dtype = str(model.compute_dtype or torch.float32).replace("torch.", "")
+    print(f"model: {model.num_params() / 1e6:.1f}M parameters, max_seq_len {scorers['plain'].max_seq_len}, "
+          f"device {device}, {dtype}, {args.examples_per_call} examples per call")
+    for scorer in scorers.values():
+        scorer.tokens_run = 0
+    for task in tasks:
+        # a pool as large as the task (up to SHOT_POOL), so examples share few-shot examples as rarely as
+        # in the real bundle (shared shots are shared prefixes); the first --examples are scored
+        n = max(1, min(args.examples, task[4] - 1))
+        data = imitation(task[1], task[5], task[6], task[7], max(n, min(task[4], SHOT_POOL)), rng)
+        seconds, losses, tokens = {}, {}, {}
+        for mode, scorer in scorers.items():
+            before = scorer.tokens_run
+            seconds[mode], losses[mode] = score_task(scorer, tokenizer, task, data, n, args.examples_per_call)
+            tokens[mode] = scorer.tokens_run - before
+            projected[mode] += seconds[mode] * task[4]
+            projected_tokens[mode] += tokens[mode] / n * task[4]
+            measured[mode] += seconds[mode] * n
+        diff = max(float((a - b).abs().max()) for a, b in zip(losses["plain"], losses["cached"]))
+        worst = max(worst, diff)
+        count += n
+        print(f"{task[0]:<34} {task[4]:>6} examples | plain {1 / seconds['plain']:7.2f} ex/s | "
+              f"cached {1 / seconds['cached']:7.2f} ex/s | x{seconds['plain'] / seconds['cached']:.2f} | "
+              f"tokens /{tokens['plain'] / tokens['cached']:.2f} | max loss diff {diff:.2g}")
     print("---")
-    print(f"examples_measured:            {count} per mode")
-    print(f"examples_per_second_single:   {count / measured[1]:.2f}")
-    print(f"examples_per_second_batched:  {count / measured[C.EXAMPLES_PER_CALL]:.2f}")
-    print(f"projected_full_bundle_single:  {totals[1] / 3600:.2f} h")
-    print(f"projected_full_bundle_batched: {totals[C.EXAMPLES_PER_CALL] / 3600:.2f} h")
+    print(f"examples_measured:             {count} per scorer")
+    print(f"examples_per_second_plain:     {count / measured['plain']:.2f}")
+    print(f"examples_per_second_cached:    {count / measured['cached']:.2f}")
+    print(f"speedup:                       {measured['plain'] / measured['cached']:.2f}")
+    print(f"tokens_per_example_plain:      {scorers['plain'].tokens_run / count:.0f} (padded)")
+    print(f"tokens_per_example_cached:     {scorers['cached'].tokens_run / count:.0f} (padded)")
+    print(f"max_loss_diff:                 {worst:.3g} nats")
+    if len(tasks) == len(CORE_TASKS):
+        print(f"projected_full_bundle_plain:   {projected['plain'] / 3600:.2f} h")
+        print(f"projected_full_bundle_cached:  {projected['cached'] / 3600:.2f} h")
+        print(f"full_bundle_tokens_plain:      {projected_tokens['plain'] / 1e6:.1f}M (padded)")
+        print(f"full_bundle_tokens_cached:     {projected_tokens['cached'] / 1e6:.1f}M (padded)")
 
 
 if __name__ == "__main__":
