@@ -66,7 +66,7 @@ class Hyperparameters:
     compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
                                      # small ones: on, off, auto (on with --compile)
     shard_optimizer: str = "auto"  # ZeRO-1 across ranks: each keeps state for, and updates, only its share:
-                                   # on, off, auto (on from SHARD_OPTIMIZER_MIN_WORLD ranks)
+                                   # on, off, auto (on unless the matrices deal out unevenly, see build_optimizer)
     grad_bucket_mb: float = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
     # Schedule, keyed to charged time as a fraction of the budget
     warmup_ratio: float = 0.0
@@ -609,8 +609,7 @@ class Bucket:
     chunk: int  # elements per chunk
     slots: dict  # parameter -> Slot
     flat: torch.Tensor | None = None  # parts x chunk: the gradients sent, then (sharded) the weights gathered
-    grad_chunk: torch.Tensor | None = None  # sharded: this rank's summed gradients
-    send_chunk: torch.Tensor | None = None  # sharded: this rank's updated weights
+    own: torch.Tensor | None = None  # sharded: this rank's chunk, its summed gradients, then its updated weights
     work: object = None  # the last collective launched (kept after it finishes, see MuonAdamW._wait)
 
     @property
@@ -708,7 +707,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for b in self.buckets:
             b.flat = torch.zeros(b.parts * b.chunk, device=device)
             if self.shard:
-                b.grad_chunk, b.send_chunk = torch.zeros(b.chunk, device=device), torch.zeros(b.chunk, device=device)
+                b.own = torch.zeros(b.chunk, device=device)
         self._packed, self._launched, self._grads_ready = set(), 0, False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in order] \
             if world_size > 1 else []
@@ -774,7 +773,7 @@ class MuonAdamW(torch.optim.Optimizer):
         while self._launched < len(self.buckets) and all(p in self._packed for p in self.buckets[self._launched].params):
             bucket = self.buckets[self._launched]
             if self.shard:
-                bucket.work = _reduce_scatter(bucket.grad_chunk, bucket.flat, async_op=True)
+                bucket.work = _reduce_scatter(bucket.own, bucket.flat, async_op=True)
             else:
                 bucket.work = dist.all_reduce(bucket.flat, async_op=True)
             self._launched += 1
@@ -801,7 +800,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._wait()
         for bucket in self.buckets:
             if self.shard:
-                bucket.grad_chunk.div_(self.world_size)
+                bucket.own.div_(self.world_size)
                 continue
             bucket.flat.div_(self.world_size)
             for p in bucket.params:
@@ -816,7 +815,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def _share_weights(self) -> None:
         """All-gather every rank's updated chunks and copy them into the parameters."""
         for bucket in self.buckets:
-            bucket.work = _all_gather(bucket.flat, bucket.send_chunk, async_op=True)
+            bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
         self._wait()
         for bucket in self.buckets:
             flat = bucket.flat.view(bucket.parts, bucket.chunk)
@@ -826,19 +825,20 @@ class MuonAdamW(torch.optim.Optimizer):
                 else:
                     p.view(-1).copy_(flat[:, slot.offset:slot.offset + slot.size].reshape(-1)[:p.numel()])
 
-    def _owned_views(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sharded: (where this rank writes p's updated values, this rank's averaged gradient of p).
-        For a sliced parameter the first is filled with the current values of this rank's slice."""
+    def _own_part(self, p: torch.Tensor) -> torch.Tensor:
+        """Sharded: p's place in this rank's chunk (all of p, or this rank's slice of it), which holds
+        its averaged gradient until the update writes the new values there."""
         bucket, slot = self._slot[p]
-        size = p.numel() if slot.owner is not None else slot.size
-        send = bucket.send_chunk[slot.offset:slot.offset + size]
-        grad = bucket.grad_chunk[slot.offset:slot.offset + size]
-        if slot.owner is not None:
-            return send.view_as(p), grad.view_as(p)
+        part = bucket.own[slot.offset:slot.offset + (p.numel() if slot.owner is not None else slot.size)]
+        return part.view_as(p) if slot.owner is not None else part
+
+    def _own_slice(self, p: torch.Tensor) -> torch.Tensor:
+        """The current values of this rank's slice of p, zero-padded to the slice size."""
+        size = self._slot[p][1].size
         start = self.rank * size
-        valid = max(0, min(size, p.numel() - start))
-        send[:valid].copy_(p.view(-1)[start:start + valid])
-        return send, grad
+        values = p.new_zeros(size)
+        values[:max(0, min(size, p.numel() - start))] = p.view(-1)[start:start + size]
+        return values
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (before building another optimizer for the same model)."""
@@ -865,7 +865,7 @@ class MuonAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             if self.shard:
-                param, grad = self._owned_views(p)
+                param, grad = self._own_slice(p), self._own_part(p)
             elif p.grad is None:
                 continue
             else:
@@ -873,24 +873,29 @@ class MuonAdamW(torch.optim.Optimizer):
             state = self.state[p]
             self._adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
                                group["weight_decay"], beta1, beta2, group["eps"])
+            if self.shard:
+                grad.copy_(param)  # the gradient is spent: its place takes the new values
 
     def _muon_step(self, group, owned):
         if not owned:
             return
-        if self.shard:
-            targets, grads = zip(*(self._owned_views(p) for p in owned))
-        else:
-            targets, grads = owned, [p.grad for p in owned]
+        # Sharded, the new values go where the (by then spent) gradients were, in this rank's chunks.
+        grads = [self._own_part(p) for p in owned] if self.shard else [p.grad for p in owned]
         state = self.state[owned[0]]
-        new = self._muon_update(list(grads), owned, state["momentum"], state["second_moment"], group["lr"],
+        new = self._muon_update(grads, owned, state["momentum"], state["second_moment"], group["lr"],
                                 group["momentum"], group["weight_decay"], group["beta2"], group["ns_steps"],
                                 group["ns_dtype"])
-        torch._foreach_copy_(list(targets), list(new.unbind(0)))
+        torch._foreach_copy_(grads if self.shard else owned, list(new.unbind(0)))
 
     # -- checkpointing -----------------------------------------------------------------------------
 
     def _sharding(self) -> dict:
-        return {"sharded": True, "rank": self.rank, "world_size": self.world_size} if self.shard else {"sharded": False}
+        """What a sharded state depends on: this rank, the world size, and which matrices it owns."""
+        if not self.shard:
+            return {"sharded": False}
+        owned = [[i for i, p in enumerate(g["params"]) if any(p is q for q in owned)]
+                 for g, owned in zip(self.param_groups, self._owned) if g["kind"] == "muon"]
+        return {"sharded": True, "rank": self.rank, "world_size": self.world_size, "owned_matrices": owned}
 
     def state_dict(self) -> dict:
         """Plain tensors and plain data (loads with weights_only=True); sharded, this rank's part only."""
@@ -900,7 +905,8 @@ class MuonAdamW(torch.optim.Optimizer):
         saved = state_dict.get("sharding", {"sharded": False})
         if saved != self._sharding():
             raise ValueError(f"optimizer state saved as {saved} cannot be loaded here ({self._sharding()}): resume "
-                             "with the same world size and --shard-optimizer setting, each rank loading its own file")
+                             "with the same world size, --shard-optimizer and --grad-bucket-mb, each rank loading "
+                             "its own file")
         live = {(i, k): self.param_groups[i][k] for i, k in self._hyper_keys}
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
         # Keep the hyperparameter tensors the compiled updates were traced with; take the saved values.
@@ -917,10 +923,7 @@ class MuonAdamW(torch.optim.Optimizer):
                    if isinstance(t, torch.Tensor))
 
 
-SHARD_OPTIMIZER_MIN_WORLD = 2  # --shard-optimizer auto shards from this many ranks (see README, "Optimizer")
-
-
-def choose(value: str, auto: bool, flag: str) -> bool:
+def flag_is_on(value: str, auto: bool, flag: str) -> bool:
     """The meaning of an on / off / auto flag."""
     if value not in ("on", "off", "auto"):
         raise ValueError(f"{flag} must be on, off or auto, got {value!r}")
@@ -951,19 +954,24 @@ def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | Non
     for g in groups:
         g["initial_lr"] = g["lr"]
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    shard = choose(hp.shard_optimizer, world_size >= SHARD_OPTIMIZER_MIN_WORLD, "--shard-optimizer") and world_size > 1
-    compiled = choose(hp.compile_optimizer, hp.compile, "--compile-optimizer")
     # The order the backward produces gradients in (the head first, the embedding last), so that the
     # first buckets travel while the backward still runs.
-    ready_order = [model.lm_head.weight, *reversed(list(model.blocks.parameters())), model.resid_lambdas,
-                   model.x0_lambdas, model.wte.weight]
+    ready_order = [model.lm_head.weight, *reversed(matrices), model.resid_lambdas, model.x0_lambdas, model.wte.weight]
+    bucket_bytes = int(hp.grad_bucket_mb * 2**20)
+    # Sharding sends as much as averaging does (a reduce-scatter and an all-gather make an all-reduce),
+    # plus the padding, and saves state and update work on every rank: auto shards unless the
+    # matrices deal out too unevenly over the ranks (few matrices, many ranks).
+    padding = sum(b.padding for b in plan_buckets(ready_order, set(matrices), world_size, bucket_bytes // 4)) \
+        / model.num_params()
+    shard = flag_is_on(hp.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
+    compiled = flag_is_on(hp.compile_optimizer, hp.compile, "--compile-optimizer")
     optimizer = MuonAdamW(groups, rank, world_size, shard, compile_backend if compiled else None, ready_order,
-                          int(hp.grad_bucket_mb * 2**20))
+                          bucket_bytes)
     line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
     if world_size > 1:
-        padding = sum(b.padding for b in optimizer.buckets) / model.num_params()
-        line += (f" | gradients in {len(optimizer.buckets)} buckets over {world_size} ranks, " +
-                 (f"sharded (ZeRO-1, padding {100 * padding:.1f}%)" if shard else "not sharded"))
+        line += f" | gradients in {len(optimizer.buckets)} buckets over {world_size} ranks, " + \
+            (f"sharded (ZeRO-1, padding {100 * padding:.1f}%)" if shard else
+             f"not sharded (sharded, the layout would pad {100 * padding:.1f}%)")
     print0(f"{line} | state {optimizer.state_bytes() / 2**20:.1f} MiB on this rank")
     return optimizer
 

@@ -117,7 +117,7 @@ def shard_worker(hp: T.Hyperparameters, steps: int, warmup: int, out: str) -> No
         measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.comm_seconds / steps,
                     "state_bytes": optimizer.state_bytes(),
                     "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.buckets
-                                        for t in (b.flat, b.grad_chunk, b.send_chunk) if t is not None)}
+                                        for t in (b.flat, b.own) if t is not None)}
         rows[mode] = measured
         optimizer.remove_hooks()
         model.zero_grad(set_to_none=True)
