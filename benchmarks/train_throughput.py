@@ -25,7 +25,7 @@ def run(hp: T.Hyperparameters, device_type: str, dtype: str, steps: int, warmup:
     model = T.GPT(T.model_config(hp)).to(device)
     model.init_weights()
     model.compute_dtype = profile.compute_dtype
-    optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype)
+    optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
     step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
     accum = hp.total_batch_size // (hp.device_batch_size * hp.seq_len)
 

@@ -47,8 +47,9 @@ def test_compiled_update_equals_eager_and_new_hyperparameters_do_not_recompile()
         for model, optimizer in zip(models, optimizers):
             set_gradients(model, seed=step)
             T.apply_schedules(optimizer, 0.1 + 0.35 * step, hp)  # new lr, momentum, weight decay every step
-            # The first step compiles; after it, new hyperparameter values and step counts are data.
-            with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            # The first step compiles (never falling back to eager); after it, new hyperparameter
+            # values and step counts are data.
+            with torch._dynamo.config.patch(error_on_recompile=step > 0, fail_on_recompile_limit_hit=True):
                 optimizer.step()
     initial = tiny_model().state_dict()
     for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
