@@ -556,9 +556,11 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, beta1
     step.add_(1)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.lerp_(grad.square(), 1 - beta2)
-    denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps)
+    # The step size lr / (1 - beta1^step) divides the denominator, so that addcdiv_ needs no temporary
+    # (lr = 0 makes it infinite: a zero step).
+    denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps).div_(lr / (1 - beta1 ** step))
     param.mul_(1 - lr * weight_decay)
-    param.sub_(exp_avg / denom * (lr / (1 - beta1 ** step)))
+    param.addcdiv_(exp_avg, denom, value=-1.0)
 
 
 def muon_update(grads: list[torch.Tensor], weights: list[torch.Tensor], momentum_buffer: torch.Tensor,
