@@ -606,6 +606,7 @@ class Slot:
 
 @dataclass
 class Bucket:
+    """Parameters whose gradients travel together, laid out in `parts` chunks (see layout_bucket)."""
     params: list[torch.Tensor]
     parts: int  # chunks
     chunk: int  # elements per chunk
