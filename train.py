@@ -71,6 +71,11 @@ class Hyperparameters:
     muon_momentum_warmup_ratio: float = 0.15  # ... over this fraction of the budget
     muon_ns_steps: int = 5  # Polar Express iterations
     muon_beta2: float = 0.95  # NorMuon's second-moment decay
+    compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
+                                     # small ones: on, off, auto (on with --compile)
+    shard_optimizer: str = "auto"  # ZeRO-1 across ranks: each keeps state for, and updates, only its share:
+                                   # on, off, auto (on unless the matrices deal out unevenly, see build_optimizer)
+    grad_bucket_mb: float = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
     # Schedule, keyed to training progress (see training_progress: charged time, or steps when max_steps is set)
     warmup_ratio: float = 0.0
     warmdown_ratio: float = 0.5  # the last half of the budget decays the learning rate linearly
@@ -675,69 +680,395 @@ def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat
     return x.mT if tall else x
 
 
+def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, beta1: float, beta2: float, eps: float):
+    """One AdamW step, in place, on a parameter or on this rank's slice of one. The step count and the
+    per-step lr and weight decay are 0-D tensors on the device, so the compiled graph never changes."""
+    step.add_(1)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+    # The step size lr / (1 - beta1^step) divides the denominator, so that addcdiv_ needs no temporary
+    # (lr = 0 makes it infinite: a zero step).
+    denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps).div_(lr / (1 - beta1 ** step))
+    param.mul_(1 - lr * weight_decay)
+    param.addcdiv_(exp_avg, denom, value=-1.0)
+
+
+def muon_update(grads: list[torch.Tensor], weights: list[torch.Tensor], momentum_buffer: torch.Tensor,
+                second_moment: torch.Tensor, lr: torch.Tensor, momentum: torch.Tensor, weight_decay: torch.Tensor,
+                beta2: float, ns_steps: int, ns_dtype: torch.dtype) -> torch.Tensor:
+    """The new values of same-shaped matrices, stacked: Nesterov momentum, Polar Express, NorMuon
+    rescaling, cautious weight decay. The momentum and second-moment buffers are updated in place."""
+    grads, weights = torch.stack(grads), torch.stack(weights)
+    rows, cols = weights.shape[-2:]
+    # Nesterov momentum
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    update = polar_express(grads.lerp_(momentum_buffer, momentum), ns_steps, ns_dtype).float()
+    # NorMuon: normalise each row (or column) by a running second moment, keeping the total norm
+    reduce_dim = -1 if rows >= cols else -2
+    row_sq = update.square().mean(dim=reduce_dim, keepdim=True)
+    second_moment.lerp_(row_sq, 1 - beta2)
+    scale = second_moment.clamp_min(1e-10).rsqrt()
+    norm_before = (row_sq.sum(dim=(-2, -1), keepdim=True) * update.size(reduce_dim)).sqrt()
+    norm_after = (row_sq * scale.square()).sum(dim=(-2, -1), keepdim=True).mul(update.size(reduce_dim)).sqrt()
+    update = update * (scale * norm_before / norm_after.clamp_min(1e-10))
+    # Cautious weight decay: only where the update and the weight agree in sign
+    lr = lr * max(1.0, rows / cols) ** 0.5
+    decay = (update * weights >= 0) * (lr * weight_decay)
+    return weights - (lr * update + decay * weights)
+
+
+# Gradients travel in buckets, each sent as soon as the backward has produced all of its gradients.
+# A bucket is `parts` equal chunks (parts = world size when the optimizer is sharded, else 1): chunk r
+# holds what rank r owns, so one reduce-scatter hands each rank the summed gradients of its own
+# parameters and one all-gather of the chunks returns every updated weight to every rank.
+SHARD_MAX_PADDING = 1 / 8  # a sharded bucket closes only once its chunks are this even: matrices are
+                           # indivisible, and padding is sent like data
+
+
+@dataclass
+class Slot:
+    """Where one parameter sits in its bucket: whole in chunk `owner` from `offset` (a Muon matrix),
+    or, with owner None, cut into slices of `size` elements, slice r in chunk r from `offset`."""
+    owner: int | None
+    offset: int
+    size: int
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients travel together, laid out in `parts` chunks (see layout_bucket)."""
+    params: list[torch.Tensor]
+    parts: int  # chunks
+    chunk: int  # elements per chunk
+    slots: dict  # parameter -> Slot
+    flat: torch.Tensor | None = None  # parts x chunk: the gradients sent, then (sharded) the weights gathered
+    own: torch.Tensor | None = None  # sharded: this rank's chunk, its summed gradients, then its updated weights
+    work: object = None  # the last collective launched (kept after it finishes, see MuonAdamW._wait)
+
+    @property
+    def padding(self) -> int:
+        return self.parts * self.chunk - sum(p.numel() for p in self.params)
+
+
+def layout_bucket(params: list[torch.Tensor], whole: set, parts: int, load: list[int]) -> Bucket:
+    """`parts` equal chunks: each matrix in `whole` goes whole to the chunk with the least data, the
+    largest first (ties: the rank with the least `load` so far, which this updates); every other
+    parameter is sliced evenly across all chunks, after the matrices."""
+    fill, owner = [0] * parts, {}
+    for p in sorted((p for p in params if p in whole), key=lambda p: -p.numel()):
+        r = min(range(parts), key=lambda r: (fill[r], load[r], r))
+        owner[p] = r
+        fill[r] += p.numel()
+        load[r] += p.numel()
+    cursor, slots = [0] * parts, {}
+    for p in params:
+        if p in owner:
+            slots[p] = Slot(owner[p], cursor[owner[p]], p.numel())
+            cursor[owner[p]] += p.numel()
+    offset = max(cursor)
+    for p in params:
+        if p not in owner:
+            slots[p] = Slot(None, offset, -(-p.numel() // parts))
+            offset += slots[p].size
+    return Bucket(list(params), parts, offset, slots)
+
+
+def plan_buckets(params: list[torch.Tensor], whole: set, parts: int, bucket_elements: int) -> list[Bucket]:
+    """Buckets of `params`, taken in the order their gradients become ready: each closes once it holds
+    bucket_elements elements and (sharded) pads at most SHARD_MAX_PADDING; a badly padded tail joins
+    the bucket before it. The same on every rank, since it depends only on shapes."""
+    def even(group):
+        bucket = layout_bucket(group, whole, parts, [0] * parts)
+        return bucket.padding <= SHARD_MAX_PADDING * sum(p.numel() for p in group)
+
+    groups, current = [], []
+    for p in params:
+        current.append(p)
+        if sum(q.numel() for q in current) >= bucket_elements and even(current):
+            groups.append(current)
+            current = []
+    if current:
+        if groups and not even(current):
+            current = groups.pop() + current
+        groups.append(current)
+    load = [0] * parts
+    return [layout_bucket(group, whole, parts, load) for group in groups]
+
+
+# torch 2.13 renamed the single-tensor collectives; the Neuron venv's torch 2.11 has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer, two rules. Groups of kind 'muon' hold same-shaped matrices, updated together:
     Nesterov momentum, Polar Express, NorMuon rescaling, cautious weight decay. Groups of kind
-    'adamw' hold everything else. State lives on each parameter's device."""
+    'adamw' hold everything else. State lives on each parameter's device.
 
-    def __init__(self, param_groups):
+    Per-step hyperparameters (SCHEDULED, set by set_hyperparameters) and AdamW's step count are 0-D
+    device tensors, so `compile_backend` can compile the updates once: a new value is data, not a
+    new graph. Across ranks it averages the gradients itself: gradient hooks send each bucket as soon
+    as the backward fills it (only while `sync_in_backward`), step() waits for them. Sharded (ZeRO-1),
+    each rank keeps state for, and updates, only what it owns (Muon matrices whole, the rest as
+    slices), then the updated weights are all-gathered."""
+
+    SCHEDULED = ("lr", "momentum", "weight_decay")
+
+    def __init__(self, param_groups, rank: int = 0, world_size: int = 1, shard: bool = False,
+                 compile_backend: str | None = None, ready_order: list[torch.Tensor] | None = None,
+                 bucket_bytes: int = 25 * 2**20):
         super().__init__(param_groups, defaults={})
+        self.rank, self.world_size, self.shard = rank, world_size, shard and world_size > 1
+        self.comm_seconds = 0.0  # host seconds spent waiting on communication, cumulative
+        self.sync_in_backward = True  # send gradients from the backward (train_step: only its last micro-batch)
+        params = [p for g in self.param_groups for p in g["params"]]
+        device = params[0].device
+        # Per-step hyperparameters are views of one device buffer: one host-to-device copy per step.
+        self._hyper_keys = [(i, k) for i, g in enumerate(self.param_groups) for k in self.SCHEDULED if k in g]
+        self._hyper_host = torch.tensor([float(self.param_groups[i][k]) for i, k in self._hyper_keys])
+        self._hyper = self._hyper_host.to(device)
+        for j, (i, k) in enumerate(self._hyper_keys):
+            self.param_groups[i][k] = self._hyper[j]
+
+        order = ready_order or params[::-1]
+        if sorted(map(id, order)) != sorted(map(id, params)):
+            raise ValueError("ready_order must list every parameter of the optimizer exactly once")
+        whole = {p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
+        parts = world_size if self.shard else 1
+        self.buckets = plan_buckets(order, whole, parts, bucket_bytes // 4) if world_size > 1 else []
+        self._slot = {p: (b, b.slots[p]) for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            b.flat = torch.zeros(b.parts * b.chunk, device=device)
+            if self.shard:
+                b.own = torch.zeros(b.chunk, device=device)
+        self._packed, self._launched, self._grads_ready = set(), 0, False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in order] \
+            if world_size > 1 else []
+
+        # State, created now so that state_dict() is complete before the first step.
+        self._owned = []  # per group: the parameters this rank updates
+        for group in self.param_groups:
+            ps = group["params"]
+            if group["kind"] == "muon":
+                owned = [p for p in ps if not self.shard or self._slot[p][1].owner == rank]
+                if owned:
+                    rows, cols = ps[0].shape
+                    self.state[owned[0]].update(
+                        momentum=torch.zeros(len(owned), rows, cols, device=device),
+                        second_moment=torch.zeros((len(owned), rows, 1) if rows >= cols else (len(owned), 1, cols),
+                                                  device=device))
+            else:
+                owned = ps
+                for p in ps:
+                    shape = (self._slot[p][1].size,) if self.shard else p.shape
+                    self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros(shape, device=device),
+                                         exp_avg_sq=torch.zeros(shape, device=device))
+            self._owned.append(owned)
+
+        compiled = (lambda f: torch.compile(f, backend=compile_backend, dynamic=False, fullgraph=True)) \
+            if compile_backend else (lambda f: f)
+        self._adamw_update, self._muon_update = compiled(adamw_update), compiled(muon_update)
+
+    # -- per-step hyperparameters ------------------------------------------------------------------
+
+    def set_hyperparameters(self, values: list[dict]) -> None:
+        """Set per-step hyperparameters, one dict per param group (e.g. {"lr": 0.01}), with one copy."""
+        for j, (i, k) in enumerate(self._hyper_keys):
+            if k in values[i]:
+                self._hyper_host[j] = values[i][k]
+        self._hyper.copy_(self._hyper_host)
+
+    # -- gradient communication --------------------------------------------------------------------
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if p in self._packed:  # a further backward before step(): what was sent is out of date
+            self._wait()
+            self._packed.clear()
+            self._launched = 0
+        if self.sync_in_backward:
+            self._pack(p)
+            self._launch_full_buckets()
+
+    def _pack(self, p: torch.Tensor) -> None:
+        """Copy p's gradient into its bucket (zeros if it has none)."""
+        bucket, slot = self._slot[p]
+        flat = bucket.flat.view(bucket.parts, bucket.chunk)
+        grad = p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=flat.device)
+        if slot.owner is not None:
+            flat[slot.owner, slot.offset:slot.offset + p.numel()].copy_(grad)
+        else:
+            flat[:, slot.offset:slot.offset + slot.size].copy_(
+                F.pad(grad, (0, bucket.parts * slot.size - p.numel())).view(bucket.parts, slot.size))
+        self._packed.add(p)
+
+    def _launch_full_buckets(self) -> None:
+        # In bucket order, so that every rank issues the same collectives in the same order.
+        while self._launched < len(self.buckets) and all(p in self._packed for p in self.buckets[self._launched].params):
+            bucket = self.buckets[self._launched]
+            if self.shard:
+                bucket.work = _reduce_scatter(bucket.own, bucket.flat, async_op=True)
+            else:
+                bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+            self._launched += 1
+
+    def _wait(self) -> None:
+        # Finished works stay referenced until the next collective replaces them: a work that the
+        # backend's thread releases last frees its tensors there, which aborts a process at exit (gloo).
+        t0 = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        self.comm_seconds += time.perf_counter() - t0
+
+    def wait_for_gradients(self) -> None:
+        """Finish averaging the gradients over ranks: sends what the backward has not sent and waits.
+        Unsharded, p.grad then holds the average; sharded, each rank's chunks hold its own."""
+        if self.world_size == 1 or self._grads_ready:
+            return
+        for bucket in self.buckets[self._launched:]:
+            for p in bucket.params:
+                if p not in self._packed:
+                    self._pack(p)
+        self._launch_full_buckets()
+        self._wait()
+        for bucket in self.buckets:
+            if self.shard:
+                bucket.own.div_(self.world_size)
+                continue
+            bucket.flat.div_(self.world_size)
+            for p in bucket.params:
+                slot = bucket.slots[p]
+                average = bucket.flat[slot.offset:slot.offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = average.clone()
+                else:
+                    p.grad.copy_(average)
+        self._grads_ready = True
+
+    def _share_weights(self) -> None:
+        """All-gather every rank's updated chunks and copy them into the parameters."""
+        for bucket in self.buckets:
+            bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
+        self._wait()
+        for bucket in self.buckets:
+            flat = bucket.flat.view(bucket.parts, bucket.chunk)
+            for p, slot in bucket.slots.items():
+                if slot.owner is not None:
+                    p.copy_(flat[slot.owner, slot.offset:slot.offset + p.numel()].view_as(p))
+                else:
+                    p.view(-1).copy_(flat[:, slot.offset:slot.offset + slot.size].reshape(-1)[:p.numel()])
+
+    def _own_part(self, p: torch.Tensor) -> torch.Tensor:
+        """Sharded: p's place in this rank's chunk (all of p, or this rank's slice of it), which holds
+        its averaged gradient until the update writes the new values there."""
+        bucket, slot = self._slot[p]
+        part = bucket.own[slot.offset:slot.offset + (p.numel() if slot.owner is not None else slot.size)]
+        return part.view_as(p) if slot.owner is not None else part
+
+    def _own_slice(self, p: torch.Tensor) -> torch.Tensor:
+        """The current values of this rank's slice of p, zero-padded to the slice size."""
+        size = self._slot[p][1].size
+        start = self.rank * size
+        values = p.new_zeros(size)
+        values[:max(0, min(size, p.numel() - start))] = p.view(-1)[start:start + size]
+        return values
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (before building another optimizer for the same model)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- the update --------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
+        self.wait_for_gradients()
+        for group, owned in zip(self.param_groups, self._owned):
             if group["kind"] == "muon":
-                self._muon_step(group)
+                self._muon_step(group, owned)
             else:
                 self._adamw_step(group)
+        if self.shard:
+            self._share_weights()
+        self._packed.clear()
+        self._launched, self._grads_ready = 0, False
 
     def _adamw_step(self, group):
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         for p in group["params"]:
-            if p.grad is None:
+            if self.shard:
+                param, grad = self._own_slice(p), self._own_part(p)
+            elif p.grad is None:
                 continue
+            else:
+                param, grad = p, p.grad
             state = self.state[p]
-            if not state:
-                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            state["step"] += 1
-            state["exp_avg"].lerp_(p.grad, 1 - beta1)
-            state["exp_avg_sq"].lerp_(p.grad.square(), 1 - beta2)
-            denom = (state["exp_avg_sq"] / (1 - beta2 ** state["step"])).sqrt_().add_(eps)
-            p.mul_(1 - lr * wd)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** state["step"]))
+            self._adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
+                               group["weight_decay"], beta1, beta2, group["eps"])
+            if self.shard:
+                grad.copy_(param)  # the gradient is spent: its place takes the new values
 
-    def _muon_step(self, group):
-        params = group["params"]
-        grads = torch.stack([p.grad for p in params])
-        weights = torch.stack(params)
-        rows, cols = weights.shape[-2:]
-        state = self.state[params[0]]
-        if not state:
-            state["momentum"] = torch.zeros_like(weights)
-            state["second_moment"] = weights.new_zeros((len(params), rows, 1) if rows >= cols else (len(params), 1, cols))
-        # Nesterov momentum
-        state["momentum"].lerp_(grads, 1 - group["momentum"])
-        update = polar_express(grads.lerp_(state["momentum"], group["momentum"]), group["ns_steps"],
-                               group["ns_dtype"]).float()
-        # NorMuon: normalise each row (or column) by a running second moment, keeping the total norm
-        reduce_dim = -1 if rows >= cols else -2
-        row_sq = update.square().mean(dim=reduce_dim, keepdim=True)
-        state["second_moment"].lerp_(row_sq, 1 - group["beta2"])
-        scale = state["second_moment"].clamp_min(1e-10).rsqrt()
-        norm_before = (row_sq.sum(dim=(-2, -1), keepdim=True) * update.size(reduce_dim)).sqrt()
-        norm_after = (row_sq * scale.square()).sum(dim=(-2, -1), keepdim=True).mul(update.size(reduce_dim)).sqrt()
-        update = update * (scale * norm_before / norm_after.clamp_min(1e-10))
-        # Cautious weight decay: only where the update and the weight agree in sign
-        lr = group["lr"] * max(1.0, rows / cols) ** 0.5
-        decay = (update * weights >= 0) * (lr * group["weight_decay"])
-        weights.sub_(lr * update + decay * weights)
-        torch._foreach_copy_(params, list(weights.unbind(0)))
+    def _muon_step(self, group, owned):
+        if not owned:
+            return
+        # Sharded, the new values go where the (by then spent) gradients were, in this rank's chunks.
+        grads = [self._own_part(p) for p in owned] if self.shard else [p.grad for p in owned]
+        state = self.state[owned[0]]
+        new = self._muon_update(grads, owned, state["momentum"], state["second_moment"], group["lr"],
+                                group["momentum"], group["weight_decay"], group["beta2"], group["ns_steps"],
+                                group["ns_dtype"])
+        torch._foreach_copy_(grads if self.shard else owned, list(new.unbind(0)))
+
+    # -- checkpointing -----------------------------------------------------------------------------
+
+    def _sharding(self) -> dict:
+        """What a sharded state depends on: this rank, the world size, and which matrices it owns."""
+        if not self.shard:
+            return {"sharded": False}
+        owned = [[i for i, p in enumerate(g["params"]) if any(p is q for q in owned)]
+                 for g, owned in zip(self.param_groups, self._owned) if g["kind"] == "muon"]
+        return {"sharded": True, "rank": self.rank, "world_size": self.world_size, "owned_matrices": owned}
+
+    def state_dict(self) -> dict:
+        """Plain tensors and plain data (loads with weights_only=True); sharded, this rank's part only."""
+        return {**super().state_dict(), "sharding": self._sharding()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("sharding", {"sharded": False})
+        if saved != self._sharding():
+            raise ValueError(f"optimizer state saved as {saved} cannot be loaded here ({self._sharding()}): resume "
+                             "with the same world size, --shard-optimizer and --grad-bucket-mb, each rank loading "
+                             "its own file")
+        live = {(i, k): self.param_groups[i][k] for i, k in self._hyper_keys}
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
+        # Keep the hyperparameter tensors the compiled updates were traced with; take the saved values.
+        for (i, k), tensor in live.items():
+            tensor.copy_(torch.as_tensor(self.param_groups[i][k]))
+            self.param_groups[i][k] = tensor
+        self._hyper_host.copy_(self._hyper)
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
 
 
-def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | None = torch.bfloat16) -> MuonAdamW:
+def flag_is_on(value: str, auto: bool, flag: str) -> bool:
+    """The meaning of an on / off / auto flag."""
+    if value not in ("on", "off", "auto"):
+        raise ValueError(f"{flag} must be on, off or auto, got {value!r}")
+    return auto if value == "auto" else value == "on"
+
+
+def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | None = torch.bfloat16,
+                    compile_backend: str = "inductor") -> MuonAdamW:
     """Param groups: AdamW for the head, embedding and scalars, Muon for each shape of block matrix.
-    ns_dtype: precision of the Polar Express iteration (None: fp32)."""
+    ns_dtype: precision of the Polar Express iteration (None: fp32). compile_backend: torch.compile's
+    backend for the update (the device profile's), used where --compile-optimizer is on. Under
+    torchrun the optimizer averages the gradients over the ranks itself, sharded per --shard-optimizer."""
     width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
     adam = dict(kind="adamw", betas=(hp.adam_beta1, hp.adam_beta2), eps=1e-10, weight_decay=0.0)
     groups = [
@@ -755,7 +1086,27 @@ def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | Non
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters())), "a parameter has no group"
     for g in groups:
         g["initial_lr"] = g["lr"]
-    return MuonAdamW(groups)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    # The order the backward produces gradients in (the head first, the embedding last), so that the
+    # first buckets travel while the backward still runs.
+    ready_order = [model.lm_head.weight, *reversed(matrices), model.resid_lambdas, model.x0_lambdas, model.wte.weight]
+    bucket_bytes = int(hp.grad_bucket_mb * 2**20)
+    # Sharding sends as much as averaging does (a reduce-scatter and an all-gather make an all-reduce),
+    # plus the padding, and saves state and update work on every rank: auto shards unless the
+    # matrices deal out too unevenly over the ranks (few matrices, many ranks).
+    padding = sum(b.padding for b in plan_buckets(ready_order, set(matrices), world_size, bucket_bytes // 4)) \
+        / model.num_params()
+    shard = flag_is_on(hp.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
+    compiled = flag_is_on(hp.compile_optimizer, hp.compile, "--compile-optimizer")
+    optimizer = MuonAdamW(groups, rank, world_size, shard, compile_backend if compiled else None, ready_order,
+                          bucket_bytes)
+    line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
+    if world_size > 1:
+        line += f" | gradients in {len(optimizer.buckets)} buckets over {world_size} ranks, " + \
+            (f"sharded (ZeRO-1, padding {100 * padding:.1f}%)" if shard else
+             f"not sharded (sharded, the layout would pad {100 * padding:.1f}%)")
+    print0(f"{line} | state {optimizer.state_bytes() / 2**20:.1f} MiB on this rank")
+    return optimizer
 
 
 # -----------------------------------------------------------------------------------------------
@@ -778,12 +1129,12 @@ def muon_momentum(progress: float, hp: Hyperparameters) -> float:
 
 
 def apply_schedules(optimizer: MuonAdamW, progress: float, hp: Hyperparameters) -> float:
+    """This step's learning rates, Muon momentum and weight decay, written to the optimizer's 0-D
+    device tensors (a changed value is data: it never recompiles the update)."""
     lrm = lr_multiplier(progress, hp)
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * lrm
-        if group["kind"] == "muon":
-            group["momentum"] = muon_momentum(progress, hp)
-            group["weight_decay"] = hp.weight_decay * (1.0 - progress)
+    muon = dict(momentum=muon_momentum(progress, hp), weight_decay=hp.weight_decay * (1.0 - progress))
+    optimizer.set_hyperparameters([dict(lr=group["initial_lr"] * lrm, **(muon if group["kind"] == "muon" else {}))
+                                   for group in optimizer.param_groups])
     return lrm
 
 
@@ -796,29 +1147,20 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-def all_reduce_gradients(model: nn.Module, world_size: int) -> None:
-    """Average gradients over ranks with one collective: flatten, all-reduce, copy back."""
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat.div_(world_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def train_step(model: nn.Module, optimizer: MuonAdamW, batches, grad_accum_steps: int, world_size: int):
-    """One optimizer step over grad_accum_steps micro-batches from `batches`.
+    """One optimizer step over grad_accum_steps micro-batches from `batches`. Across ranks the
+    optimizer averages the gradients: the last micro-batch's backward sends them bucket by bucket as
+    they become ready, and optimizer.step() waits for them.
     Returns (mean loss on this rank, as a tensor; the loader state of the last batch)."""
+    if world_size != optimizer.world_size:
+        raise ValueError(f"train_step for {world_size} ranks got an optimizer built for {optimizer.world_size}")
     loss_sum = None
-    for _ in range(grad_accum_steps):
+    for micro_step in range(grad_accum_steps):
         x, y, state = next(batches)
+        optimizer.sync_in_backward = micro_step == grad_accum_steps - 1  # earlier backwards only accumulate
         loss = model(x, y)
         (loss / grad_accum_steps).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    if world_size > 1:
-        all_reduce_gradients(model, world_size)
     optimizer.step()
     model.zero_grad(set_to_none=True)
     return loss_sum / grad_accum_steps, state
@@ -1145,7 +1487,7 @@ def measure_training_throughput(hp: Hyperparameters, device_type: str, dtype: st
     model = GPT(model_config(hp)).to(device)
     model.init_weights()
     model.compute_dtype = profile.compute_dtype
-    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype)
+    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
     step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
     geometry = batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, 1)
 
@@ -1266,7 +1608,7 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
     if world_size > 1:
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
-    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype)
+    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
     run = RunState()
     if hp.resume:
         run = load_snapshot(Path(hp.resume), model, optimizer, hp, geometry, rank)

@@ -101,6 +101,8 @@ def test_torchrun_two_processes(tmp_path, text_dataset):
     assert result.stdout.count("\n---\n") == 1  # rank 0 reports
     s = summary(result.stdout)
     assert s["device"] == "cpu x 2" and s["num_steps"] == "4"
+    assert float(s["comm_seconds_per_step"]) > 0  # the optimizer waited on gradient communication
+    assert "sharded (ZeRO-1" in result.stdout  # --shard-optimizer auto, at 2 ranks
     assert (tmp_path / "out" / "final.pt").exists()
 
 

@@ -1,0 +1,179 @@
+"""The optimizer's cost: eager vs compiled update, and sharded (ZeRO-1) vs replicated state across ranks.
+
+    python benchmarks/optimizer_step.py compile --preset cpu         # tokens/s and optimizer share of the step
+    python benchmarks/optimizer_step.py shard --preset cpu --ranks 2,4   # step time and state per rank (gloo)
+    python benchmarks/optimizer_step.py compile --depth 2 --steps 2  # any train.py flag changes the config
+
+`compile` trains on random tokens (throughput does not depend on the text) with the update eager,
+then compiled, after warm-up steps that include compilation, and times optimizer.step() inside each
+step: the eager run is the baseline of the ratios. `shard` starts torchrun with N CPU processes
+(gloo) for each N and times optimizer.step() on random gradients, which there includes averaging the
+gradients (nothing overlaps it: there is no backward), the update and, sharded, the all-gather of
+the weights; the replicated optimizer at the same N is the baseline. State is the optimizer's
+tensors (momentum, second moments, step counts) on each rank; buffers are its communication buffers."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import train as T  # noqa: E402
+
+
+def new_model(hp: T.Hyperparameters, profile: T.DeviceProfile, device: torch.device) -> T.GPT:
+    torch.manual_seed(0)
+    model = T.GPT(T.model_config(hp)).to(device)
+    model.init_weights()
+    model.compute_dtype = profile.compute_dtype
+    return model
+
+
+def time_training(hp: T.Hyperparameters, device_type: str, steps: int, warmup: int) -> dict:
+    """Tokens/s of train_step, and the share of it spent in optimizer.step()."""
+    profile = T.device_profile(device_type, hp.dtype)
+    device = torch.device(device_type)
+    model = new_model(hp, profile, device)
+    optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
+    accum = hp.total_batch_size // (hp.device_batch_size * hp.seq_len)
+    in_optimizer = []
+
+    def start(*_):
+        T.synchronize(device)
+        in_optimizer.append(-time.perf_counter())
+
+    def stop(*_):
+        T.synchronize(device)
+        in_optimizer[-1] += time.perf_counter()
+
+    optimizer.register_step_pre_hook(start)
+    optimizer.register_step_post_hook(stop)
+
+    def batches():
+        while True:
+            x = torch.randint(0, 8183, (hp.device_batch_size, hp.seq_len + 1), device=device)
+            yield x[:, :-1], x[:, 1:], {}
+
+    data = batches()
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        T.apply_schedules(optimizer, 0.1, hp)
+        T.train_step(step_model, optimizer, data, accum, 1)
+    T.synchronize(device)
+    warm = time.perf_counter() - t0
+    in_optimizer.clear()
+    t0 = time.perf_counter()
+    for k in range(steps):
+        T.apply_schedules(optimizer, 0.1 + 0.8 * k / steps, hp)  # a new value every step, as in training
+        T.train_step(step_model, optimizer, data, accum, 1)
+    T.synchronize(device)
+    step_s = (time.perf_counter() - t0) / steps
+    return {"warmup_s": warm, "step_s": step_s, "tokens_per_second": hp.total_batch_size / step_s,
+            "optimizer_s": sum(in_optimizer) / steps, "optimizer_share": sum(in_optimizer) / steps / step_s}
+
+
+def compare_compile(hp: T.Hyperparameters, device_type: str, steps: int, warmup: int) -> None:
+    rows = {}
+    for mode in ("off", "on"):
+        hp.compile_optimizer = mode
+        rows[mode] = time_training(hp, device_type, steps, warmup)
+    base = rows["off"]
+    for mode, label in (("off", "eager"), ("on", "compiled")):
+        r = rows[mode]
+        print(f"{label:>9}: {r['tokens_per_second']:>9,.0f} tokens/s ({r['tokens_per_second'] / base['tokens_per_second']:.2f}x) | "
+              f"step {1000 * r['step_s']:7.0f} ms | optimizer {1000 * r['optimizer_s']:6.0f} ms "
+              f"({r['optimizer_s'] / base['optimizer_s']:.2f}x), {100 * r['optimizer_share']:4.1f}% of the step | "
+              f"warm-up {r['warmup_s']:.0f}s")
+
+
+def shard_worker(hp: T.Hyperparameters, steps: int, warmup: int, out: str) -> None:
+    """Under torchrun: optimizer.step() on random gradients, replicated then sharded; each rank writes JSON."""
+    profile = T.device_profile("cpu", hp.dtype)
+    device, rank, world_size = T.init_distributed(profile)
+    model = new_model(hp, profile, device)
+    rows = {}
+    for mode in ("off", "on"):
+        hp.shard_optimizer = mode
+        optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
+        torch.manual_seed(rank)
+        grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
+        times = []
+        for k in range(warmup + steps):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            T.apply_schedules(optimizer, 0.5, hp)
+            dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's wait
+            t0 = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - t0)
+            if k == warmup - 1:
+                optimizer.comm_seconds = 0.0
+        measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.comm_seconds / steps,
+                    "state_bytes": optimizer.state_bytes(),
+                    "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.buckets
+                                        for t in (b.flat, b.own) if t is not None)}
+        rows[mode] = measured
+        optimizer.remove_hooks()
+        model.zero_grad(set_to_none=True)
+    # One file per rank, no collective after the optimizer's last: a gloo work whose tensors die in
+    # its own thread aborts a process at exit (see MuonAdamW._wait).
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def compare_shard(argv: list[str], ranks: list[int], params_m: float) -> None:
+    for n in ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                   os.path.abspath(__file__), "shard-worker", "--out", out, *argv]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                sys.exit(f"error: the {n}-rank run failed:\n{result.stderr[-3000:]}")
+            ranks = [json.load(open(f"{out}.{r}")) for r in range(n)]
+        rows = {mode: {k: max(r[mode][k] for r in ranks) for k in ranks[0][mode]}  # the slowest / largest rank
+                for mode in ("off", "on")}
+        base = rows["off"]
+        for mode, label in (("off", "replicated"), ("on", "sharded")):
+            r = rows[mode]
+            print(f"{n} ranks {label:>10}: step {1000 * r['step_s']:7.1f} ms ({r['step_s'] / base['step_s']:.2f}x), "
+                  f"waiting on communication {1000 * r['comm_s']:6.1f} ms | state {r['state_bytes'] / 2**20:6.1f} MiB "
+                  f"per rank ({r['state_bytes'] / base['state_bytes']:.2f}x) | buffers {r['buffer_bytes'] / 2**20:6.1f} MiB "
+                  f"| {params_m:.1f}M params")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["compile", "shard", "shard-worker"])
+    parser.add_argument("--preset", choices=sorted(T.PRESETS), default=None)
+    parser.add_argument("--device", default=None, help="compile: the device (default: the fastest present)")
+    parser.add_argument("--ranks", default="2,4", help="shard: world sizes to run, each against its replicated baseline")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args, train_flags = parser.parse_known_args()  # other flags go to train.py: --depth 6, --dtype fp32, ...
+    hp = T.parse_hyperparameters((["--preset", args.preset] if args.preset else []) + train_flags)
+    if args.what == "shard-worker":
+        return shard_worker(hp, args.steps, args.warmup, args.out)
+    with torch.device("meta"):
+        params_m = T.GPT(T.model_config(hp)).num_params() / 1e6
+    device_type = args.device or T.detect_device_type()
+    print(f"config: preset={args.preset} depth={hp.depth} width={T.model_config(hp).n_embd} params={params_m:.1f}M "
+          f"batch={hp.total_batch_size} compile={hp.compile} dtype={hp.dtype} threads={torch.get_num_threads()}")
+    if args.what == "compile":
+        compare_compile(hp, device_type, args.steps, args.warmup)
+    else:
+        worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                       *(["--preset", args.preset] if args.preset else []), *train_flags]
+        compare_shard(worker_args, [int(n) for n in args.ranks.split(",")], params_m)
+
+
+if __name__ == "__main__":
+    main()

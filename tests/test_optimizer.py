@@ -1,0 +1,176 @@
+"""train.py's optimizer: compiled vs eager update, per-step hyperparameters as device tensors,
+gradient buckets and ZeRO-1 sharding across ranks, state-dict round trips."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO))
+import train as T  # noqa: E402
+
+TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "32"]
+
+
+def tiny_model() -> T.GPT:
+    torch.manual_seed(0)
+    model = T.GPT(T.model_config(T.parse_hyperparameters(TINY)))
+    model.init_weights()
+    return model
+
+
+def set_gradients(model: T.GPT, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+
+
+def hyperparameters(optimizer: T.MuonAdamW) -> list[list[float]]:
+    return [[group[k].item() for k in optimizer.SCHEDULED if k in group] for group in optimizer.param_groups]
+
+
+@pytest.mark.slow
+def test_compiled_update_equals_eager_and_new_hyperparameters_do_not_recompile():
+    models, optimizers = [], []
+    for mode in ("off", "on"):
+        models.append(tiny_model())
+        hp = T.parse_hyperparameters([*TINY, "--compile-optimizer", mode])
+        optimizers.append(T.build_optimizer(models[-1], hp, ns_dtype=None, compile_backend="inductor"))
+    eager, compiled = optimizers
+    assert eager._muon_update is T.muon_update and compiled._muon_update is not T.muon_update
+    for step in range(3):
+        for model, optimizer in zip(models, optimizers):
+            set_gradients(model, seed=step)
+            T.apply_schedules(optimizer, 0.1 + 0.35 * step, hp)  # new lr, momentum, weight decay every step
+            # The first step compiles (never falling back to eager); after it, new hyperparameter
+            # values and step counts are data.
+            with torch._dynamo.config.patch(error_on_recompile=step > 0, fail_on_recompile_limit_hit=True):
+                optimizer.step()
+    initial = tiny_model().state_dict()
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        # fp32 rounding, except where an update at the rounding level flips Muon's cautious weight
+        # decay (update * weight >= 0): there the two differ by one step's decay, lr * wd * |w| < 2% |w|.
+        diff = (a - b).abs()
+        flipped = diff > 1e-5 * a.abs() + 1e-6
+        assert flipped.float().mean() < 1e-3 and (diff[flipped] <= 0.02 * a.abs()[flipped]).all(), name
+        assert (a - initial[name]).abs().max() > 1e-3, name  # the steps moved it
+
+
+def test_state_dict_round_trip_restores_state_and_hyperparameters(tmp_path):
+    hp = T.parse_hyperparameters(TINY)
+    model = tiny_model()
+    optimizer = T.build_optimizer(model, hp, ns_dtype=None)
+    for step in range(2):
+        set_gradients(model, seed=step)
+        T.apply_schedules(optimizer, 0.2 + 0.3 * step, hp)
+        optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    resumed_model = copy.deepcopy(model)
+    resumed = T.build_optimizer(resumed_model, hp, ns_dtype=None)
+    resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    assert hyperparameters(resumed) == hyperparameters(optimizer) != hyperparameters(T.build_optimizer(tiny_model(), hp))
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, resumed.state[q][key]), key
+    # The restored values live in the tensors set_hyperparameters writes (and the update reads).
+    resumed.set_hyperparameters([{"lr": 1.5}] + [{}] * (len(resumed.param_groups) - 1))
+    assert resumed.param_groups[0]["lr"].item() == 1.5
+    for m, opt in ((model, optimizer), (resumed_model, resumed)):
+        set_gradients(m, seed=5)
+        T.apply_schedules(opt, 0.8, hp)
+        opt.step()
+    for (name, a), b in zip(model.state_dict().items(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    sharded_state = dict(torch.load(tmp_path / "optimizer.pt", weights_only=True),
+                         sharding={"sharded": True, "rank": 1, "world_size": 4})
+    with pytest.raises(ValueError, match="same world size, --shard-optimizer and --grad-bucket-mb"):
+        resumed.load_state_dict(sharded_state)
+
+
+def test_bucket_layouts_cover_every_parameter_once_and_shard_evenly():
+    with torch.device("meta"):
+        model = T.GPT(T.model_config(T.Hyperparameters()))  # the default d10: 60 block matrices
+    order = [model.lm_head.weight, *reversed(list(model.blocks.parameters())), model.resid_lambdas,
+             model.x0_lambdas, model.wte.weight]
+    whole = set(model.blocks.parameters())
+    total = model.num_params()
+    for parts in (1, 2, 4, 8, 64):
+        buckets = T.plan_buckets(order, whole, parts, 25 * 2**20 // 4)
+        assert [id(p) for b in buckets for p in b.params] == [id(p) for p in order]  # ready order kept
+        for b in buckets:
+            used = [[] for _ in range(parts)]
+            for p, slot in b.slots.items():
+                if p in whole:  # a matrix stays whole, in one chunk
+                    assert slot.owner is not None and slot.size == p.numel()
+                    used[slot.owner].append((slot.offset, slot.offset + p.numel()))
+                else:  # everything else is sliced over all chunks
+                    assert slot.owner is None and slot.size * parts >= p.numel() > (slot.size - 1) * parts
+                    for r in range(parts):
+                        used[r].append((slot.offset, slot.offset + slot.size))
+            for spans in used:
+                spans.sort()
+                assert all(a[1] <= b_[0] for a, b_ in zip(spans, spans[1:]))  # no overlap
+                assert not spans or (spans[0][0] >= 0 and spans[-1][1] <= b.chunk)
+        padding = sum(b.padding for b in buckets)
+        if parts == 1:
+            assert padding == 0 and len(buckets) >= 3  # ~240 MB of fp32 gradients in ~25 MB buckets
+        if parts <= 8:
+            assert padding <= T.SHARD_MAX_PADDING * total, (parts, padding / total)
+        if parts == 64:  # 60 matrices for 64 ranks: one bucket, too unevenly filled for auto to shard
+            assert len(buckets) == 1 and padding > T.SHARD_MAX_PADDING * total
+
+
+def test_optimizer_flags_are_checked():
+    model = tiny_model()
+    for flag in ("--shard-optimizer", "--compile-optimizer"):
+        hp = T.parse_hyperparameters([*TINY, flag, "maybe"])
+        with pytest.raises(ValueError, match=f"{flag} must be on, off or auto, got 'maybe'"):
+            T.build_optimizer(model, hp)
+    auto = T.build_optimizer(model, T.parse_hyperparameters(TINY))
+    assert not auto.shard and auto._adamw_update is T.adamw_update  # one process; compiled only with --compile
+    assert T.build_optimizer(model, T.parse_hyperparameters([*TINY, "--compile"]))._adamw_update is not T.adamw_update
+    with pytest.raises(ValueError, match="train_step for 2 ranks got an optimizer built for 1"):
+        T.train_step(model, auto, iter([]), 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sharded_step_equals_unsharded_and_resumes_from_each_ranks_state(tmp_path, ranks):
+    script = REPO / "tests" / "fixtures" / "sharded_step.py"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc_per_node={ranks}", str(script), str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    runs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks)]
+    off, on = runs[0]["off"], runs[0]["on"]
+    assert not off["sharded"] and on["sharded"] and on["buckets"] >= 2
+    for run in runs:
+        for mode in ("off", "on"):
+            r = run[mode]
+            assert r["sent_in_backward"] == [True] * 3  # every bucket left from the backward's hooks
+            assert r["comm_seconds"] > 0
+            assert r["loaded_hyperparameters"] == r["saved_hyperparameters"]
+            for name, w in r["weights"].items():
+                assert torch.equal(w, runs[0][mode]["weights"][name]), (mode, name)  # every rank agrees
+                assert torch.equal(w, r["resumed_weights"][name]), (mode, name)  # the round trip is exact
+    # Sharded equals unsharded within fp32 rounding of the gradient sums (whose order differs). An
+    # element whose averaged gradient is at the rounding level moves by +-lr in AdamW, in either
+    # direction: compare the others, relative to how far the three steps moved the tensor.
+    for name, a in off["weights"].items():
+        real = torch.ones_like(a, dtype=torch.bool)
+        for grads in off["grads"]:
+            g = grads[name]
+            real &= (g == 0) | (g.abs() > 1e-4 * g.abs().max())
+        assert real.float().mean() > 0.5, name  # most of it is compared
+        moved = (a - off["initial"][name]).abs().max()
+        assert moved > 1e-4 and (a - on["weights"][name])[real].abs().max() <= 1e-3 * moved, name
+    # State per rank: about 1/ranks of the replicated state (matrices are whole, so not exactly).
+    replicated = off["state_bytes"]
+    shares = [run["on"]["state_bytes"] for run in runs]
+    assert max(shares) <= 1.25 * replicated / ranks and sum(shares) <= 1.05 * replicated
