@@ -124,7 +124,8 @@ def test_official_environment_changes_the_run(tmp_path, text_dataset):
     assert result.returncode == 0, result.stderr[-3000:]
     s = summary(result.stdout)
     assert s["num_steps"] == "3" and s["budget_seconds"] == "600" and s["device"] == "cpu x 1"
-    assert record["compile"] == [{"backend": "inductor", "dynamic": False}]
+    model_compiles = [c for c in record["compile"] if not c.get("fullgraph")]  # the rest: the optimizer's update
+    assert model_compiles == [{"backend": "inductor", "dynamic": False}]
     assert math.isfinite(float(s["val_bpb"])) and int(s["eval_tokens"]) <= 2048
     assert [c["max_tokens"] for c in record["evaluate_bpb"]] == [2048]
     assert "environment: NEURON_COMPETITION_R1_NUM_STEPS=3 sets --max-steps" in result.stdout
