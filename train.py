@@ -46,8 +46,8 @@ class Hyperparameters:
     seq_len: int = 2048  # training context; the scorer evaluates at prepare.EVAL_SEQ_LEN
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
-    chunked_loss: bool = True  # head + softcap + loss over LOSS_CHUNK_ROWS rows at a time (never the full fp32
-                               # logits); --no-chunked-loss: the plain path, e.g. to compare on a new device
+    chunked_loss: bool = True  # head + softcap + loss in LOSS_CHUNKS slices of rows (never the full fp32 logits);
+                               # --no-chunked-loss: the plain path, e.g. to compare on a new device
     # Batch
     total_batch_size: int = 2**18  # tokens per optimizer step, all ranks together; half of autoresearch's
                                    # 2**19, since at a fixed budget more steps win
@@ -579,14 +579,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-# The training loss never holds the logits of the whole batch: LOSS_CHUNK_ROWS rows at a time go through
-# lm_head, the softcap and the cross-entropy, and each chunk's gradient (with respect to the head's input
-# and weight) is taken on the spot, so nothing of the chunk outlives it. The plain path keeps fp32
-# [B*T, vocab] logits and as many again for the softmax and its gradient (1.5 GiB and more at batch
-# 8 x 1024, vocab 8192); here it is a few [LOSS_CHUNK_ROWS, vocab] buffers. Taking the gradient in the
-# forward (as Liger's fused linear cross-entropy does) also spares the recomputation of the logits
-# that a checkpointed chunk would run in the backward.
-LOSS_CHUNK_ROWS = 1024  # fp32 [1024, 8192] is 32 MiB: small next to the model, large enough for an efficient matmul
+# The training loss never holds the logits of the whole batch: LOSS_CHUNKS slices of rows in turn go
+# through lm_head, the softcap and the cross-entropy, and each slice's gradient (with respect to the head's
+# input and weight) is taken on the spot, so nothing of a slice outlives it. The plain path keeps fp32
+# [B*T, vocab] logits and as many again for the softmax and its gradient; taking the gradient in the
+# forward (as Liger's fused linear cross-entropy does) also spares the recomputation of the logits that a
+# checkpointed slice would run in the backward.
+LOSS_CHUNKS = 4  # a count, not a size: torch.compile unrolls the loop (compile time grew from 14 s to 39 s
+                 # at 1 to 16 slices in one test) and each slice is ~20 more ops for eager devices to dispatch;
+                 # 4 slices already keep three quarters of the plain path's logit memory away
 
 
 def softcap_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, cap: float, grad_scale: float,
@@ -594,14 +595,17 @@ def softcap_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, cap:
     """Cross-entropy of z = cap * tanh(logits / cap) per row (fp32, or float64 for float64 logits), and the
     gradient of grad_scale * sum(loss) with respect to the logits, in their dtype (None if not need_grad):
     (softmax(z) - onehot(target)) * (1 - tanh^2) * grad_scale."""
-    t = torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap)
-    z = cap * t
+    t = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap).tanh_()
+    z = t * cap
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     loss = (lse - z.gather(1, targets[:, None])).squeeze(1)
     if not need_grad:
         return loss, None
-    p = torch.exp(z - lse).scatter_add(1, targets[:, None], -torch.ones_like(lse))
-    return loss, (p * (1 - t * t) * grad_scale).to(logits.dtype)
+    p = z.sub_(lse).exp_()  # softmax(z), in z's memory
+    tanh_sq = t.mul_(t)  # in t's memory
+    target_term = 1 - tanh_sq.gather(1, targets[:, None])
+    dlogits = p.addcmul_(p, tanh_sq, value=-1).scatter_add_(1, targets[:, None], -target_term)
+    return loss, dlogits.mul_(grad_scale).to(logits.dtype)
 
 
 def kernel_cross_entropy_rows(kernel, logits, targets, cap, grad_scale, need_grad):
@@ -618,7 +622,7 @@ def kernel_cross_entropy_rows(kernel, logits, targets, cap, grad_scale, need_gra
 
 class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     """Mean softcapped cross-entropy of h @ weight.T against targets (h [N, C], weight [V, C], targets [N]),
-    LOSS_CHUNK_ROWS rows at a time, matmuls in `dtype`. The gradients are computed in the forward
+    in LOSS_CHUNKS slices of rows, matmuls in `dtype`. The gradients are computed in the forward
     (need_grad) and scaled by the incoming gradient in the backward. kernel: the --nki-softcap-ce op, or None."""
 
     @staticmethod
@@ -626,14 +630,12 @@ class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
         n = h.shape[0]
         hc, wc = h.to(dtype), weight.to(dtype)
         losses, grad_h, grad_weight = [], [], None
-        for r0 in range(0, n, LOSS_CHUNK_ROWS):
-            h_rows = hc[r0:r0 + LOSS_CHUNK_ROWS]
+        for h_rows, target_rows in zip(hc.chunk(LOSS_CHUNKS), targets.chunk(LOSS_CHUNKS)):
             logits = h_rows @ wc.T
             if kernel is None:
-                loss, dlogits = softcap_cross_entropy_rows(logits, targets[r0:r0 + LOSS_CHUNK_ROWS], cap, 1 / n, need_grad)
+                loss, dlogits = softcap_cross_entropy_rows(logits, target_rows, cap, 1 / n, need_grad)
             else:
-                loss, dlogits = kernel_cross_entropy_rows(kernel, logits, targets[r0:r0 + LOSS_CHUNK_ROWS], cap, 1 / n,
-                                                          need_grad)
+                loss, dlogits = kernel_cross_entropy_rows(kernel, logits, target_rows, cap, 1 / n, need_grad)
             losses.append(loss.sum())
             if need_grad:
                 grad_h.append(dlogits @ wc)
@@ -657,7 +659,7 @@ class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 def chunked_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
                                   dtype: torch.dtype, kernel=None) -> torch.Tensor:
     """The training loss: mean cross-entropy of cap * tanh((h @ weight.T) / cap) against targets, as
-    F.cross_entropy on the full logits gives it, without ever holding them (see LOSS_CHUNK_ROWS)."""
+    F.cross_entropy on the full logits gives it, without ever holding them (see LOSS_CHUNKS)."""
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return ChunkedSoftcapCrossEntropy.apply(h, weight, targets, cap, dtype, kernel, need_grad)
 
