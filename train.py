@@ -133,12 +133,12 @@ class DeviceProfile:
 
 
 # The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
-# process. On a shared 2-vCPU machine a two-thread 2048^2 bf16 matmul (the peak this replaced) measured
-# 56-204 GFLOP/s across eight processes: a multi-threaded call waits for its slowest thread, and a call of
-# tens of milliseconds rarely runs without another process taking one of the cores. One thread on calls
-# of ~1 ms, best of many, measured 448-450 in the same eight processes (x2 threads): interference only
-# slows a call, so the best call is the core's own speed. The larger sizes count on a quiet machine,
-# where they may run faster.
+# process. On a shared 2-vCPU machine the best of ten two-thread 2048^2 bf16 matmuls (the peak this
+# replaced) measured 58-204 GFLOP/s across eight processes: a multi-threaded call waits for its slowest
+# thread, and a call of tens of milliseconds rarely runs without another process taking one of the cores.
+# One thread on calls of ~1 ms, best of many, measured 446-451 (x2 threads) in the same eight processes:
+# interference only slows a call, so the best call is the core's own speed. The larger sizes count on a
+# quiet machine, where they may run faster.
 CPU_PEAK_SIZES = (256, 512, 1024)
 CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
 CPU_PEAK_MIN_CALLS = 3
@@ -586,8 +586,8 @@ class GPT(nn.Module):
 # forward (as Liger's fused linear cross-entropy does) also spares the recomputation of the logits that a
 # checkpointed slice would run in the backward.
 LOSS_CHUNKS = 4  # a count, not a size: torch.compile unrolls the loop (compile time grew from 14 s to 39 s
-                 # at 1 to 16 slices in one test) and each slice is ~20 more ops for eager devices to dispatch;
-                 # 4 slices already keep three quarters of the plain path's logit memory away
+                 # at 1 to 16 slices in one test on 2 cores) and each slice is two dozen more ops for an eager
+                 # device to dispatch; 4 slices already keep three quarters of the plain path's logits away
 
 
 def softcap_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, cap: float, grad_scale: float,

@@ -11,7 +11,8 @@ include compilation. MFU = model FLOPs per token x tokens/s / peak, where the pe
 (or fp32) matmul peak measured here (CPU, see train.measure_matmul_flops) or the datasheet number
 (Trainium, known GPUs). Peak memory is the process's: its peak RSS on a CPU (start-up and compilation
 included), the allocator's peak on a GPU. --compare-loss runs the plain and the chunked training loss
-(train.py --no-chunked-loss / --chunked-loss), each dtype and loss in a process of its own."""
+(train.py --no-chunked-loss / --chunked-loss), each dtype and loss in a process of its own. CPU-s is
+the processor time the process used per step: on a shared machine it moves less than the wall time."""
 import argparse
 import os
 import subprocess
@@ -49,14 +50,14 @@ def run(hp: T.Hyperparameters, device_type: str, dtype: str, steps: int, warmup:
         T.train_step(step_model, optimizer, data, accum, 1)
     T.synchronize(device)
     warm = time.time() - t0
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     for _ in range(steps):
         T.train_step(step_model, optimizer, data, accum, 1)
     T.synchronize(device)
-    dt = (time.time() - t0) / steps
+    dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
     tok_s = hp.total_batch_size / dt
     return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
-            "step_s": dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
+            "step_s": dt, "cpu_step_s": cpu_dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
             "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
             "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
             "params_M": model.num_params() / 1e6, "peak_memory_mb": T.peak_memory_mb(device)}
@@ -89,7 +90,7 @@ def main():
         r = run(hp, device_type, dtype, args.steps, args.warmup)
         loss = "chunked" if hp.chunked_loss else "plain"
         print(f"{r['dtype']:>8} {loss:>7} loss: {r['tokens_per_second']:>10,.0f} tokens/s | {r['step_s'] * 1000:7.0f} "
-              f"ms/step | {r['achieved_tflops']:.3f} TFLOP/s of {r['peak_tflops']:.3f} peak ({r['peak_source']}) | "
+              f"ms/step ({r['cpu_step_s']:.1f} CPU-s) | {r['achieved_tflops']:.3f} TFLOP/s of {r['peak_tflops']:.3f} peak ({r['peak_source']}) | "
               f"MFU {r['mfu_percent']:.1f}% | peak memory {r['peak_memory_mb']:,.0f} MB | warm-up {r['warmup_s']:.0f}s | "
               f"{r['params_M']:.1f}M params", flush=True)
 
