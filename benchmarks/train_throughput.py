@@ -1,9 +1,8 @@
 """Training throughput and MFU of train.py on this machine, with the peak measured in the same run.
 
     python benchmarks/train_throughput.py --preset cpu                 # bf16 and fp32, compiled
-    python benchmarks/train_throughput.py --device cuda --steps 20     # the default depth-10 config on a GPU
+    python benchmarks/train_throughput.py --preset gpu --depth 10 --dtypes bf16   # default d10, one CUDA GPU, compiled
     python benchmarks/train_throughput.py --preset cpu --aspect-ratio 128   # any train.py flag changes the config
-    python benchmarks/train_throughput.py --preset gpu --depth 10 --dtypes bf16   # the default d10 on a CUDA GPU, compiled
     python benchmarks/train_throughput.py --preset cpu --dtypes bf16 --compare-loss   # plain vs chunked loss
 
 Steps run on random tokens (throughput does not depend on the text), after warm-up steps that
@@ -90,9 +89,9 @@ def main():
         r = run(hp, device_type, dtype, args.steps, args.warmup)
         loss = "chunked" if hp.chunked_loss else "plain"
         print(f"{r['dtype']:>8} {loss:>7} loss: {r['tokens_per_second']:>10,.0f} tokens/s | {r['step_s'] * 1000:7.0f} "
-              f"ms/step ({r['cpu_step_s']:.1f} CPU-s) | {r['achieved_tflops']:.3f} TFLOP/s of {r['peak_tflops']:.3f} peak ({r['peak_source']}) | "
-              f"MFU {r['mfu_percent']:.1f}% | peak memory {r['peak_memory_mb']:,.0f} MB | warm-up {r['warmup_s']:.0f}s | "
-              f"{r['params_M']:.1f}M params", flush=True)
+              f"ms/step ({r['cpu_step_s']:.1f} CPU-s) | {r['achieved_tflops']:.3f} TFLOP/s of {r['peak_tflops']:.3f} "
+              f"peak ({r['peak_source']}) | MFU {r['mfu_percent']:.1f}% | peak memory {r['peak_memory_mb']:,.0f} MB | "
+              f"warm-up {r['warmup_s']:.0f}s | {r['params_M']:.1f}M params", flush=True)
 
 
 if __name__ == "__main__":
