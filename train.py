@@ -134,12 +134,11 @@ class DeviceProfile:
 
 # The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
 # process. On a shared 2-vCPU machine the best of ten two-thread 2048^2 bf16 matmuls (the peak this
-# replaced) measured 58-204 GFLOP/s across eight processes (399-418 once the machine was quieter): a
-# multi-threaded call waits for its slowest thread, and a call of tens of milliseconds rarely runs without
-# another process taking one of the cores.
-# One thread on calls of ~1 ms, best of many, measured 446-451 (x2 threads) in the same processes, busy or quiet:
-# interference only slows a call, so the best call is the core's own speed. The larger sizes count on a
-# quiet machine, where they may run faster.
+# replaced) measured 58-204 GFLOP/s across eight busy processes and 399-418 once the machine was quieter:
+# a multi-threaded call waits for its slowest thread, and a call of tens of milliseconds rarely runs
+# without another process taking one of the cores. One thread on calls of ~1 ms, best of many, measured
+# 446-451 (x2 threads) in the same processes, busy or quiet: interference only slows a call, so the best
+# call is the core's own speed. The larger sizes count on a quiet machine, where they may run faster.
 CPU_PEAK_SIZES = (256, 512, 1024)
 CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
 CPU_PEAK_MIN_CALLS = 3
