@@ -53,6 +53,8 @@ class Hyperparameters:
     seq_len: int = 2048  # training context; the scorer evaluates at prepare.EVAL_SEQ_LEN
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
+    chunked_loss: bool = True  # head + softcap + loss in LOSS_CHUNKS slices of rows (never the full fp32 logits);
+                               # --no-chunked-loss: the plain path, e.g. to compare on a new device
     # Batch
     total_batch_size: int = 2**18  # tokens per optimizer step, all ranks together; half of autoresearch's
                                    # 2**19, since at a fixed budget more steps win
@@ -121,8 +123,8 @@ PRESETS = {
     # elementwise work on the 8192-wide logits dominates a CPU step; width 384 keeps the matmuls efficient.
     "cpu": dict(depth=4, aspect_ratio=96, head_dim=128, seq_len=1024, device_batch_size=8, total_batch_size=2**13,
                 compile=True, time_budget=300.0, eval_tokens=2**18, log_every=5),
-    # One CUDA GPU for 5 minutes, autoresearch-sized.
-    "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, time_budget=300.0),
+    # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
+    "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0),
     # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
     # `--plan --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
     # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
@@ -238,17 +240,43 @@ class DeviceProfile:
     peak_source: str
 
 
-def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of an n x n matmul on the CPU, the best of several runs: what this process can reach
-    when nothing else gets in the way (a shared machine only ever makes a run slower)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+# The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
+# process. On a shared 2-vCPU machine the best of ten two-thread 2048^2 bf16 matmuls (the peak this
+# replaced) measured 58-204 GFLOP/s across eight busy processes and 399-418 once the machine was quieter:
+# a multi-threaded call waits for its slowest thread, and a call of tens of milliseconds rarely runs
+# without another process taking one of the cores. One thread on calls of ~1 ms, best of many, measured
+# 446-451 (x2 threads) in the same processes, busy or quiet: interference only slows a call, so the best
+# call is the core's own speed. The larger sizes count on a quiet machine, where they may run faster.
+CPU_PEAK_SIZES = (256, 512, 1024)
+CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
+CPU_PEAK_MIN_CALLS = 3
+
+
+def cpu_threads() -> int:
+    """The threads this process's matmuls run on: torch's intra-op threads, at most the CPUs it may use."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), usable))
+
+
+def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: float = CPU_PEAK_SECONDS) -> float:
+    """Peak matmul FLOP/s of this process on the CPU: the best single-thread n x n matmul (over `sizes`
+    and repeated calls, after a warm-up call that builds the kernel) times cpu_threads()."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = 0.0
+        for n in sizes:
+            a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
+            torch.matmul(a, b, out=c)
+            calls, end = 0, time.perf_counter() + seconds
+            while calls < CPU_PEAK_MIN_CALLS or time.perf_counter() < end:
+                t0 = time.perf_counter()
+                torch.matmul(a, b, out=c)
+                best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+                calls += 1
+    finally:
+        torch.set_num_threads(threads)
+    return best * cpu_threads()
 
 
 def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | None:
@@ -281,7 +309,8 @@ def device_profile(device_type: str, dtype: str = "auto") -> DeviceProfile:
     if device_type == "cpu":
         peak = measure_matmul_flops(compute or torch.float32)
         return DeviceProfile("cpu", "gloo", compute, "inductor", peak,
-                             f"best {'bf16' if compute else 'fp32'} 2048^2 matmul here, {torch.get_num_threads()} threads")
+                             f"best 1-thread {'bf16' if compute else 'fp32'} matmul of n = "
+                             f"{'/'.join(map(str, CPU_PEAK_SIZES))} here x {cpu_threads()} threads")
     raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
 
 
@@ -606,6 +635,7 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.compute_dtype: torch.dtype | None = None  # autocast dtype of forward(); set for the device
+        self.chunked_loss = True  # the training loss by chunked_softcap_cross_entropy (--no-chunked-loss: plain)
 
     @torch.no_grad()
     def init_weights(self):
@@ -641,15 +671,105 @@ class GPT(nn.Module):
             x = x0 = norm(self.wte(idx))
             for i, block in enumerate(self.blocks):
                 x = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos, sin)
-            logits = self.lm_head(norm(x))
+            x = norm(x)
+            if targets is None or not self.chunked_loss:
+                logits = self.lm_head(x)
         cap = self.config.logit_softcap
-        kernel = on_kernel("softcap_ce", logits)
+        kernel = on_kernel("softcap_ce", x)
+        if targets is not None and self.chunked_loss:
+            return chunked_softcap_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                                 cap, self.compute_dtype or x.dtype, kernel)
         if targets is not None and kernel:
             return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
         logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# The training loss never holds the logits of the whole batch: LOSS_CHUNKS slices of rows in turn go
+# through lm_head, the softcap and the cross-entropy, and each slice's gradient (with respect to the head's
+# input and weight) is taken on the spot, so nothing of a slice outlives it. The plain path keeps fp32
+# [B*T, vocab] logits and as many again for the softmax and its gradient; taking the gradient in the
+# forward (as Liger's fused linear cross-entropy does) also spares the recomputation of the logits that a
+# checkpointed slice would run in the backward.
+LOSS_CHUNKS = 4  # a count, not a size: torch.compile unrolls the loop (compile time grew from 14 s to 39 s
+                 # at 1 to 16 slices in one test on 2 cores) and each slice is two dozen more ops for an eager
+                 # device to dispatch; 4 slices already keep three quarters of the plain path's logits away
+
+
+def softcap_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, cap: float, grad_scale: float,
+                               need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cross-entropy of z = cap * tanh(logits / cap) per row (fp32, or float64 for float64 logits), and the
+    gradient of grad_scale * sum(loss) with respect to the logits, in their dtype (None if not need_grad):
+    (softmax(z) - onehot(target)) * (1 - tanh^2) * grad_scale."""
+    t = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap).tanh_()
+    z = t * cap
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    loss = (lse - z.gather(1, targets[:, None])).squeeze(1)
+    if not need_grad:
+        return loss, None
+    p = z.sub_(lse).exp_()  # softmax(z), in z's memory
+    tanh_sq = t.mul_(t)  # in t's memory
+    target_term = 1 - tanh_sq.gather(1, targets[:, None])
+    dlogits = p.addcmul_(p, tanh_sq, value=-1).scatter_add_(1, targets[:, None], -target_term)
+    return loss, dlogits.mul_(grad_scale).to(logits.dtype)
+
+
+def kernel_cross_entropy_rows(kernel, logits, targets, cap, grad_scale, need_grad):
+    """softcap_cross_entropy_rows through an autograd-aware kernel (--nki-softcap-ce: its forward and
+    backward kernels). Eager only, as every NKI path of the kit."""
+    with torch.enable_grad():
+        logits = logits.detach().requires_grad_(need_grad)
+        loss = kernel(logits, targets, cap)
+        if not need_grad:
+            return loss.detach(), None
+        (dlogits,) = torch.autograd.grad(loss.sum() * grad_scale, logits)
+    return loss.detach(), dlogits
+
+
+class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
+    """Mean softcapped cross-entropy of h @ weight.T against targets (h [N, C], weight [V, C], targets [N]),
+    in LOSS_CHUNKS slices of rows, matmuls in `dtype`. The gradients are computed in the forward
+    (need_grad) and scaled by the incoming gradient in the backward. kernel: the --nki-softcap-ce op, or None."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, cap: float, dtype: torch.dtype, kernel, need_grad: bool):
+        n = h.shape[0]
+        hc, wc = h.to(dtype), weight.to(dtype)
+        losses, grad_h, grad_weight = [], [], None
+        for h_rows, target_rows in zip(hc.chunk(LOSS_CHUNKS), targets.chunk(LOSS_CHUNKS)):
+            logits = h_rows @ wc.T
+            if kernel is None:
+                loss, dlogits = softcap_cross_entropy_rows(logits, target_rows, cap, 1 / n, need_grad)
+            else:
+                loss, dlogits = kernel_cross_entropy_rows(kernel, logits, target_rows, cap, 1 / n, need_grad)
+            losses.append(loss.sum())
+            if need_grad:
+                grad_h.append(dlogits @ wc)
+                chunk_grad = (dlogits.T @ h_rows).to(weight.dtype)  # summed over chunks at the weight's precision
+                grad_weight = chunk_grad if grad_weight is None else grad_weight + chunk_grad
+        if need_grad:
+            ctx.save_for_backward(torch.cat(grad_h).to(h.dtype), grad_weight)
+        ctx.need_grad = need_grad
+        return torch.stack(losses).sum() / n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if not ctx.need_grad:
+            raise RuntimeError("chunked_softcap_cross_entropy ran without gradients (under no_grad, or on inputs "
+                               "that do not require them) and cannot be differentiated")
+        grad_h, grad_weight = ctx.saved_tensors
+        return grad_h * grad, grad_weight * grad, None, None, None, None, None
+
+
+def chunked_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
+                                  dtype: torch.dtype, kernel=None) -> torch.Tensor:
+    """The training loss: mean cross-entropy of cap * tanh((h @ weight.T) / cap) against targets, as
+    F.cross_entropy on the full logits gives it, without ever holding them (see LOSS_CHUNKS)."""
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return ChunkedSoftcapCrossEntropy.apply(h, weight, targets, cap, dtype, kernel, need_grad)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1487,6 +1607,9 @@ def measure_training_throughput(hp: Hyperparameters, device_type: str, dtype: st
     model = GPT(model_config(hp)).to(device)
     model.init_weights()
     model.compute_dtype = profile.compute_dtype
+    model.chunked_loss = hp.chunked_loss
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
     step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
     geometry = batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, 1)
@@ -1502,17 +1625,17 @@ def measure_training_throughput(hp: Hyperparameters, device_type: str, dtype: st
         train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
     synchronize(device)
     warm = time.time() - t0
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     for _ in range(steps):
         train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
     synchronize(device)
-    dt = (time.time() - t0) / steps
+    dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
     tok_s = hp.total_batch_size / dt
     return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
-            "step_s": dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
+            "step_s": dt, "cpu_step_s": cpu_dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
             "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
             "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
-            "params_M": model.num_params() / 1e6}
+            "params_M": model.num_params() / 1e6, "peak_memory_mb": peak_memory_mb(device)}
 
 
 def plan_command(hp: Hyperparameters, options: argparse.Namespace) -> int:
@@ -1605,6 +1728,7 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
     model = GPT(config).to(device)
     model.init_weights()
     model.compute_dtype = profile.compute_dtype
+    model.chunked_loss = hp.chunked_loss
     if world_size > 1:
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
@@ -1719,6 +1843,8 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
         ("total_tokens_M", f"{run.tokens_seen / 1e6:.1f}"),
         ("tokens_per_second", f"{tok_per_sec:.0f}"),
         ("mfu_percent", f"{mfu:.2f}"),
+        ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
+        ("peak_source", f"{profile.peak_source} (per rank; MFU's denominator)"),
     ]
     comm_seconds = getattr(optimizer, "comm_seconds", None)  # set by an optimizer that communicates itself
     if comm_seconds is not None:

@@ -387,6 +387,30 @@ def test_setup_kernels_stops_clearly_when_a_kernel_cannot_run(kit, monkeypatch):
     kit.train.setup_kernels(T.Hyperparameters(), "cpu")  # no flag: nothing to check
 
 
+def test_the_chunked_training_loss_runs_the_softcap_ce_kernels_per_chunk(kit, monkeypatch, capsys):
+    """train.py's chunked loss with --nki-softcap-ce: each chunk's logits go through the kernel pair, and
+    the loss and the gradients equal the plain path's."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setattr(kit.train, "LOSS_CHUNKS", 2)  # 512 rows: two slices, a tile per core each
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(512, 32, generator=g).requires_grad_()
+    weight = torch.randn(320, 32, generator=g).requires_grad_()
+    targets = torch.randint(0, 320, (512,), generator=g)
+    before = launches()
+    loss = kit.train.chunked_softcap_cross_entropy(h, weight, targets, 15.0, torch.float32,
+                                                   kit.softcap_ce.softcap_cross_entropy)
+    loss.backward()
+    assert "notice:" not in capsys.readouterr().out
+    if REAL_NKI is None:  # the forward and the backward kernel of each chunk
+        assert [r["grid"] for r in nki_emulator.LAUNCHES[before:]] == [2, 2, 2, 2]
+    h2, w2 = h.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    plain = F.cross_entropy(15.0 * torch.tanh(h2 @ w2.T / 15.0), targets)
+    plain.backward()
+    assert torch.allclose(loss, plain, rtol=1e-5, atol=0)
+    for got, want in ((h.grad, h2.grad), (weight.grad, w2.grad)):
+        assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
 # --- the same comparisons on a Trainium machine --------------------------------------------------------
 
 def _neuron_available() -> bool:

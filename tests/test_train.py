@@ -59,6 +59,8 @@ def test_tiny_model_learns_well_below_unigram_entropy(trained, text_dataset):
     assert math.isfinite(float(s["val_bpb"])) and float(s["mfu_percent"]) > 0
     for key in ("training_seconds", "charged_seconds", "tokens_per_second", "num_params_M", "peak_memory_mb"):
         assert key in s
+    dtype = "bf16" if s["compute_dtype"] == "bfloat16" else "fp32"  # the CPU's peak in the compute dtype
+    assert float(s["peak_tflops"]) > 0 and f"1-thread {dtype} matmul" in s["peak_source"]
 
 
 def test_checkpoint_round_trips_through_load_for_eval_and_eval_public(trained, text_dataset, tmp_path):
