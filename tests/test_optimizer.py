@@ -161,7 +161,10 @@ def test_sharded_step_equals_unsharded_and_resumes_from_each_ranks_state(tmp_pat
                 assert torch.equal(w, r["resumed_weights"][name]), (mode, name)  # the round trip is exact
     # Sharded equals unsharded within fp32 rounding of the gradient sums (whose order differs). An
     # element whose averaged gradient is at the rounding level moves by +-lr in AdamW, in either
-    # direction: compare the others, relative to how far the three steps moved the tensor.
+    # direction: compare the others, relative to how far the three steps moved the tensor. Rounding can
+    # still tip a single decision (AdamW's sign on a tiny gradient, Muon's cautious weight-decay mask
+    # where update x weight ~ 0), moving one element by one step: allow a handful of those, not a
+    # pattern (a wrong shard or a lost update moves whole slices).
     for name, a in off["weights"].items():
         real = torch.ones_like(a, dtype=torch.bool)
         for grads in off["grads"]:
@@ -169,7 +172,10 @@ def test_sharded_step_equals_unsharded_and_resumes_from_each_ranks_state(tmp_pat
             real &= (g == 0) | (g.abs() > 1e-4 * g.abs().max())
         assert real.float().mean() > 0.5, name  # most of it is compared
         moved = (a - off["initial"][name]).abs().max()
-        assert moved > 1e-4 and (a - on["weights"][name])[real].abs().max() <= 1e-3 * moved, name
+        off_by = (a - on["weights"][name])[real].abs()
+        tipped = int((off_by > 1e-3 * moved).sum())
+        assert moved > 1e-4 and tipped <= max(2, off_by.numel() // 1000), (name, tipped)
+        assert off_by.max() <= moved, name
     # State per rank: about 1/ranks of the replicated state (matrices are whole, so not exactly).
     replicated = off["state_bytes"]
     shares = [run["on"]["state_bytes"] for run in runs]
