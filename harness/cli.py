@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from harness import core
-from harness.common import HarnessError, atomic_write_json, detect_device_type, get_dist_info, log, sha256_file
+from harness.common import HarnessError, atomic_write_json, get_dist_info, log, sha256_file
 from harness.config import (CLIMBMIX_BASE_URL, EVAL_BATCH_SIZE, EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS,
                             SHIPPED_TOKENIZER_DIR, cache_root, default_out_dir, env_report)
 from harness.data import (DEFAULT_NUM_TRAIN_SHARDS, dataset_name, load_manifest, prepare_climbmix,
@@ -94,8 +94,7 @@ def cmd_eval(args) -> int:
 def run_eval(args, rank: int, local_rank: int) -> int:
     if rank == 0:
         say_environment()
-    device_type = args.device or detect_device_type()
-    device = f"cuda:{local_rank}" if device_type == "cuda" else device_type
+    device = args.device or "auto"  # resolved in the worker: this process never touches an accelerator
     checkpoint = Path(args.checkpoint or Path(default_out_dir()) / "final.pt")
     train_py = Path(args.train_py)
     tokenizer = ensure_tokenizer()
@@ -110,7 +109,8 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     if rank != 0:
         return 0
     reasons = official_eval_reasons(args.seq_len, args.max_tokens)
-    result.update(official=not reasons, not_official_because=reasons, device=device,
+    device = result["device"]
+    result.update(official=not reasons, not_official_because=reasons,
                   checkpoint=str(checkpoint), checkpoint_sha256=sha256_file(checkpoint), train_py=str(train_py),
                   train_py_sha256=sha256_file(train_py), tokenizer_sha256=tokenizer.sha256)
     print("---")

@@ -528,10 +528,6 @@ def verify_samples(samples: list[Sample], forward: ModelForward, tokenizer, rng:
 # The command
 # ---------------------------------------------------------------------------------------------
 
-def scoring_device(device_type: str, local_rank: int) -> str:
-    return f"cuda:{local_rank}" if device_type == "cuda" else device_type
-
-
 def official_reasons(bundle: Bundle, tasks: list[Task], all_tasks: list[Task], max_per_task: int,
                      verify_fraction: float) -> list[str]:
     """Why a CORE run is not official (empty: it is)."""
@@ -577,9 +573,8 @@ def _agree(ok: bool, message: str, world_size: int) -> None:
 
 
 def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
-    from harness.common import detect_device_type
     from harness.tokenizer import ensure_tokenizer
-    device = scoring_device(args.device or detect_device_type(), local_rank)
+    device = args.device or "auto"  # resolved in the workers: this process never touches an accelerator
     inference_py = Path(args.inference_py)
     train_py = Path(args.train_py) if args.train_py else inference_py.resolve().parent / "train.py"
     bundle = ensure_bundle(args.bundle_dir, args.bundle_url) if rank == 0 else None
@@ -604,7 +599,7 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
     with Worker("scorer", inference_py, args.checkpoint, device, label="inference.py", local_rank=local_rank,
                 tokenizer=tokenizer) as w:
-        max_len = w.info.get("max_seq_len")
+        max_len, device = w.info.get("max_seq_len"), w.info.get("device", device)
         say(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples each, "
             f"device {device} x {world_size}, verifying {args.verify_fraction:.0%} of the examples")
         deadline = time.monotonic() + args.timeout

@@ -461,7 +461,7 @@ def evaluate_checkpoint(train_py, checkpoint, tokenizer: Tokenizer, batch_size: 
         finally:
             forward.close()
     result.update(max_tokens=max_tokens, split=split if shard_path is None else "shard",
-                  shards=[str(p) for p in shards], isolated=True)
+                  shards=[str(p) for p in shards], isolated=True, device=worker.info.get("device", str(device)))
     return result
 
 

@@ -375,6 +375,15 @@ def logits_array(out, batch: int, seq_len: int, vocab: int) -> np.ndarray:
     return out.detach()[..., :vocab].to("cpu", torch.float32).numpy()
 
 
+def resolve_device(name: str, local_rank: int):
+    """The worker's device: "auto" is the fastest present (neuron, cuda, cpu), chosen here, so the
+    harness process itself never touches an accelerator; CUDA takes the rank's own GPU."""
+    import torch
+    from harness.common import detect_device_type
+    kind = detect_device_type() if name == "auto" else name
+    return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
+
+
 class _Child:
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -383,13 +392,14 @@ class _Child:
 
     def load(self, msg: dict) -> dict:
         import torch
-        self.device = torch.device(msg["device"])
+        self.device = resolve_device(msg["device"], int(msg["local_rank"]))
         if self.device.type == "neuron" and hasattr(torch, "neuron") and hasattr(torch.neuron, "set_device"):
             torch.neuron.set_device(int(msg["local_rank"]))
         if msg["mode"] == "model":
             self.model = load_participant_model(msg["file"], msg["checkpoint"], self.device)
             dtype = getattr(self.model, "compute_dtype", None)
-            return {"compute_dtype": str(dtype).replace("torch.", "") if dtype is not None else None}
+            return {"compute_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+                    "device": str(self.device)}
         self.scorer = call_participant_loader(msg["file"], "participant_inference", "load_scorer", msg["checkpoint"],
                                               self.device, "the CORE scorer calls it (see the README, 'Phase 2: CORE')")
         if not callable(getattr(self.scorer, "score", None)):
@@ -397,7 +407,7 @@ class _Child:
         max_len = getattr(self.scorer, "max_seq_len", None)
         if max_len is not None and not (isinstance(max_len, int) and max_len >= 2):
             raise HarnessError(f"scorer.max_seq_len must be an int >= 2 or None, got {max_len!r}")
-        return {"max_seq_len": max_len}
+        return {"max_seq_len": max_len, "device": str(self.device)}
 
     def buffers(self, msg: dict) -> dict:
         folder, v = Path(msg["dir"]), msg["vocab_size"]
