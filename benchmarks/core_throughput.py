@@ -15,17 +15,15 @@ import argparse
 import os
 import random
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import inference  # noqa: E402
 import prepare  # noqa: E402
-import train as T  # noqa: E402
 from harness import core as C  # noqa: E402
+from random_model import save_random_checkpoint  # noqa: E402
 
 # label, type, shots, delimiter, examples in the real bundle, context words, choices, words per choice
 CORE_TASKS = [
@@ -95,17 +93,7 @@ def main():
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     device = torch.device(args.device or prepare.detect_device_type())
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        hp = T.parse_hyperparameters(["--preset", "cpu"])
-        model = T.GPT(T.model_config(hp))
-        model.init_weights()
-        with torch.no_grad():  # init_weights zeroes the blocks' output projections: random ones make
-            for block in model.blocks:  # attention and the MLPs count in the loss comparison
-                torch.nn.init.normal_(block.attn.c_proj.weight, std=0.02)
-                torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.02)
-        checkpoint = os.path.join(tempfile.mkdtemp(), "final.pt")
-        T.save_checkpoint(Path(checkpoint), model, {})
+    checkpoint = args.checkpoint or save_random_checkpoint("cpu", random_projections=True)
     tasks = CORE_TASKS
     if args.tasks:
         wanted = set(args.tasks.split(","))

@@ -9,7 +9,6 @@ depend on the weights). Both paths use the active dataset's public_val and the o
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import prepare  # noqa: E402
 import train as T  # noqa: E402
 from harness.metric import evaluate_checkpoint  # noqa: E402
+from random_model import save_random_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,13 +31,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        hp = T.parse_hyperparameters(["--preset", "cpu"])
-        model = T.GPT(T.model_config(hp))
-        model.init_weights()
-        checkpoint = os.path.join(tempfile.mkdtemp(), "final.pt")
-        T.save_checkpoint(Path(checkpoint), model, {})
+    checkpoint = args.checkpoint or save_random_checkpoint("cpu")
     tokenizer = prepare.ensure_tokenizer()
     seq = prepare.EVAL_SEQ_LEN
     times = {"in_process": [], "isolated": [], "isolated_total": []}

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 # name -> train.py flags (on top of --preset BASE). Widths: depth x aspect ratio, rounded up to the head size.
 SHAPES = {
     "now": [],  # the base preset as it stands
+    # the CPU preset before this sweep chose depth 3, width 192, rows of 256, batch 4K:
     "d4-w384-s1024-b8k": ["--depth", "4", "--aspect-ratio", "96", "--head-dim", "128", "--seq-len", "1024",
                           "--total-batch-size", "8192"],
     "nanochat-cpu": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
@@ -39,6 +40,16 @@ SHAPES = {
     "d3-w192-s512-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
     "d6-w384-s512-b4k": ["--depth", "6", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
+                         "--total-batch-size", "4096"],
+    "d2-w128-s512-b4k": ["--depth", "2", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
+                         "--total-batch-size", "4096"],
+    "d3-w192-s512-b2k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
+                         "--total-batch-size", "2048"],
+    "d3-w192-s512-b8k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
+                         "--total-batch-size", "8192", "--device-batch-size", "16"],
+    "d3-w192-s256-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "256",
+                         "--total-batch-size", "4096", "--device-batch-size", "16"],  # one micro-batch, like the others
+    "d4-w192-s512-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
 }
 
