@@ -1,7 +1,7 @@
 """The training loss alone (lm_head, softcap, cross-entropy, forward and backward): the plain path
 against train.py's chunked_softcap_cross_entropy, eager and compiled, each in a process of its own.
 
-    python benchmarks/head_loss.py                          # the CPU preset's shape: 8 x 1024 rows, width 384
+    python benchmarks/head_loss.py                          # the former CPU preset's head: 8 x 1024 rows, width 384
     python benchmarks/head_loss.py --rows 65536 --width 640 --device cuda   # the gpu preset at depth 10
 
 Per variant: the best wall and CPU seconds of --repeats calls after a first one (which compiles), and
