@@ -50,6 +50,8 @@ def test_an_official_style_train_py_trains_under_torchrun_and_is_scored(tmp_path
     assert result.returncode == 0, result.stderr
     lines = {k.strip(): v.strip() for k, v in (l.split(":", 1) for l in result.stdout.splitlines()
                                                if ":" in l and not l.startswith("["))}
+    assert "val_bpb" in lines and "val_bpb" in s, (f"train summary: {s}\neval-public stdout:\n{result.stdout}\n"
+                                                   f"stderr tail:\n{result.stderr[-3000:]}")
     assert lines["val_bpb"] == s["val_bpb"]  # the isolated official path agrees with the in-process one
     assert lines["official"].startswith("False") and "--seq-len 64 is not the official context 1024" in lines["official"]
 
