@@ -13,13 +13,16 @@ import time
 from pathlib import Path
 
 from harness import core
-from harness.common import HarnessError, atomic_write_json, get_dist_info, log, sha256_file
+from harness.common import HarnessError, atomic_write_json, get_dist_info, log
 from harness.config import (CLIMBMIX_BASE_URL, EVAL_BATCH_SIZE, EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS,
                             SHIPPED_TOKENIZER_DIR, cache_root, default_out_dir, env_report)
 from harness.data import (DEFAULT_NUM_TRAIN_SHARDS, dataset_name, load_manifest, prepare_climbmix,
                           prepare_offline_source, split_shards)
 from harness.download import DOWNLOAD_WORKERS
 from harness.metric import evaluate_checkpoint
+from harness.protocol import WorkerTimeout
+from harness.sandbox import make_undumpable
+from harness.submission import copy_submission
 from harness.tokenizer import ensure_tokenizer, shipped_tokenizer_pins
 
 
@@ -103,16 +106,25 @@ def run_eval(args, rank: int, local_rank: int) -> int:
         raise HarnessError(f"--val-shard {shard}: no such file")
     if args.seq_len < 2 or args.batch_size < 1:
         raise HarnessError(f"--seq-len must be >= 2 and --batch-size >= 1, got {args.seq_len} and {args.batch_size}")
-    result = evaluate_checkpoint(train_py, checkpoint, tokenizer, args.batch_size, args.seq_len, device,
-                                 max_tokens=args.max_tokens, timeout_seconds=EVAL_TIMEOUT_SECONDS, shard_path=shard,
-                                 local_rank=local_rank, label=f"worker{'' if rank == 0 else f':{rank}'}")
+    if not args.timeout > 0:
+        raise HarnessError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    with copy_submission(train_py, checkpoint) as submission:
+        try:
+            result = evaluate_checkpoint(submission, tokenizer, args.batch_size, args.seq_len, device,
+                                         max_tokens=args.max_tokens, timeout_seconds=args.timeout, shard_path=shard,
+                                         shard_sha256=getattr(args, "val_shard_sha256", None), local_rank=local_rank,
+                                         label=f"worker{'' if rank == 0 else f':{rank}'}",
+                                         use_sandbox=not args.no_sandbox)
+        except WorkerTimeout:
+            raise HarnessError(f"the evaluation did not finish within {args.timeout:g}s (--timeout); no score. The "
+                               "worker and everything it started were stopped.") from None
     if rank != 0:
         return 0
-    reasons = official_eval_reasons(args.seq_len, args.max_tokens)
-    device = result["device"]
-    result.update(official=not reasons, not_official_because=reasons,
-                  checkpoint=str(checkpoint), checkpoint_sha256=sha256_file(checkpoint), train_py=str(train_py),
-                  train_py_sha256=sha256_file(train_py), tokenizer_sha256=tokenizer.sha256)
+    reasons = official_eval_reasons(args.seq_len, args.max_tokens) + result["not_official_because"]
+    result.update(official=not reasons, not_official_because=reasons, checkpoint=str(checkpoint),
+                  checkpoint_sha256=submission.sha256["checkpoint"], train_py=str(train_py),
+                  train_py_sha256=submission.sha256["train_py"], kernels_sha256=submission.sha256.get("kernels"),
+                  tokenizer_sha256=tokenizer.sha256)
     print("---")
     print(f"val_bpb:                 {result['val_bpb']:.6f}")
     print(f"official:                {not reasons}{'  (' + '; '.join(reasons) + ')' if reasons else ''}")
@@ -121,7 +133,7 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     print(f"eval_rows:               {result['rows']}")
     print(f"eval_seq_len:            {result['seq_len']}")
     print(f"eval_seconds:            {result['eval_seconds']:.1f}")
-    print(f"eval_timeout:            {result['eval_timeout']}")
+    print(f"eval_timeout:            {result['eval_timeout']:g}")
     print(f"eval_over_timeout:       {result['eval_over_timeout']}")
     print(f"causality_passed:        {result['causality_passed']}")
     print(f"causality_max_abs_diff:  {result['causality_max_abs_diff']:.3g}")
@@ -130,16 +142,18 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     print(f"compute_dtype:           {result['compute_dtype']}")
     print(f"world_size:              {result['world_size']}")
     print(f"shard:                   {result['shards'][0]}")
-    print(f"device:                  {device}")
+    print(f"shard_sha256:            {result['shard_sha256'][0]}")
+    print(f"device:                  {result['device']}")
+    print(f"sandbox:                 {' + '.join(result['sandbox']) or 'none'} (applied in "
+          f"{1000 * result['sandbox_seconds']:.0f} ms; worker started in {result['worker_start_seconds']:.1f}s)")
     print(f"checkpoint_sha256:       {result['checkpoint_sha256']}")
     print(f"train_py_sha256:         {result['train_py_sha256']}")
+    if result["kernels_sha256"]:
+        print(f"kernels_sha256:          {result['kernels_sha256']}")
     print(f"tokenizer_sha256:        {tokenizer.sha256}")
     if args.report:
         atomic_write_json(Path(args.report), result)
         print(f"report:                  {args.report}")
-    if result["eval_over_timeout"]:
-        print(f"error: evaluation did not finish within {EVAL_TIMEOUT_SECONDS}s; no score", file=sys.stderr)
-        return 1
     return 0
 
 
@@ -187,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-tokens", type=int, default=EVAL_TOKENS, help="tokens to score (the official count "
                                                                            "is the default)")
         p.add_argument("--report", default=None, help="also write the result as JSON here")
+        p.add_argument("--timeout", type=float, default=EVAL_TIMEOUT_SECONDS,
+                       help=f"seconds for everything: the worker's start, the model's load, the forwards and the "
+                            f"checks (default EVAL_TIMEOUT_SECONDS = {EVAL_TIMEOUT_SECONDS}); past it, no score")
+        p.add_argument("--no-sandbox", action="store_true",
+                       help="run the worker without its OS sandbox (to tell a sandbox problem from a model problem; "
+                            "the result is not official)")
+        if name == "eval":
+            p.add_argument("--val-shard-sha256", default=None,
+                           help="the shard's expected SHA-256: a shard that differs is refused")
         p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("eval-core", help="score a checkpoint on CORE through the participant's inference.py",
@@ -199,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "setup":
+        make_undumpable()  # the scorer's memory and /proc files are closed to every other process of this user
     try:
         return args.func(args)
     except HarnessError as e:

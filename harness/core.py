@@ -49,7 +49,9 @@ from harness.common import EvalRefused, HarnessError, atomic_write_bytes, atomic
     log, sha256_file
 from harness.config import SPECIAL_TOKENS, cache_root
 from harness.download import download_file
-from harness.worker import ModelForward, Worker, WorkerTimeout, score_sequences
+from harness.protocol import WorkerTimeout
+from harness.submission import copy_submission
+from harness.worker import ModelForward, Worker, score_sequences
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 # The bundle's SHA-256, once the organisers publish it. Set it here or in $FRONTIER_EVAL_BUNDLE_SHA256:
@@ -61,7 +63,7 @@ REQUIRED_FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
 EXAMPLES_PER_CALL = 256  # examples whose sequences go to the scorer in one call (it batches them)
-CORE_TIMEOUT_SECONDS = 3600  # the organisers' limit for scoring CORE, after the model is loaded (compilation excluded)
+CORE_TIMEOUT_SECONDS = 3600  # the organisers' limit for CORE; here it covers the workers' loads and the verification too
 VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted path (secret sample)
 VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
 VERIFY_LOSS_TOLERANCE = 0.05  # nats: a choice's mean loss, inference.py's vs the trusted one
@@ -406,8 +408,8 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
 # Verification: the sample again, through the trusted path
 # ---------------------------------------------------------------------------------------------
 
-def trusted_log_probs(forward: ModelForward, sequences: list[list[int]], ids: list[np.ndarray], pad_id: int,
-                      deadline: float | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+def trusted_log_probs(forward: ModelForward, sequences: list[list[int]], ids: list[np.ndarray], pad_id: int
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
     """For each sequence of n tokens, (log-softmax at ids[i] [n - 1, k], the largest log-softmax
     [n - 1]) at positions 0..n-2, computed here in fp32 from the model worker's logits. Sequences
     are sorted by length and right-padded to a bucket (a causal model never sees the padding)."""
@@ -418,7 +420,7 @@ def trusted_log_probs(forward: ModelForward, sequences: list[list[int]], ids: li
 
     def take():
         batch = queue.pop(0)
-        logits = torch.from_numpy(forward.result(deadline))
+        logits = torch.from_numpy(forward.result())
         if not torch.isfinite(logits).all():
             raise EvalRefused("the trusted model returned non-finite logits (NaN or inf)")
         for r, i in enumerate(batch):
@@ -443,8 +445,7 @@ def trusted_log_probs(forward: ModelForward, sequences: list[list[int]], ids: li
     return out
 
 
-def verify_samples(samples: list[Sample], forward: ModelForward, tokenizer, rng: random.Random,
-                   deadline: float | None = None) -> dict:
+def verify_samples(samples: list[Sample], forward: ModelForward, tokenizer, rng: random.Random) -> dict:
     """Score every sequence of every sampled example through the trusted path and compare with
     what inference.py answered: each choice's mean loss over its scored region (within
     VERIFY_LOSS_TOLERANCE), each greedy prediction in a scored region (its trusted log-prob within
@@ -479,7 +480,7 @@ def verify_samples(samples: list[Sample], forward: ModelForward, tokenizer, rng:
                 sequences.append(list(seq[:cut]) + tail)
                 ids.append(ids[where[k, j]])
                 break
-    trusted = trusted_log_probs(forward, sequences, ids, tokenizer.get_bos_token_id(), deadline)
+    trusted = trusted_log_probs(forward, sequences, ids, tokenizer.get_bos_token_id())
     worst = {"loss": 0.0, "greedy": 0.0, "causal": 0.0}
     decisions_differ = 0
     for k, sample in enumerate(samples):
@@ -597,31 +598,42 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
                         "--train-py names it)")
     rng = random.SystemRandom()  # the secret sample and cut points: unknown to inference.py
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
-    with Worker("scorer", inference_py, args.checkpoint, device, label="inference.py", local_rank=local_rank,
-                tokenizer=tokenizer) as w:
-        max_len, device = w.info.get("max_seq_len"), w.info.get("device", device)
-        say(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples each, "
-            f"device {device} x {world_size}, verifying {args.verify_fraction:.0%} of the examples")
-        deadline = time.monotonic() + args.timeout
-        try:
-            report, samples = evaluate_core(lambda seqs: score_sequences(w, seqs, deadline), tokenizer, tasks,
-                                            examples, max_len, args.examples_per_call, log=say, rank=rank,
-                                            world_size=world_size, verify_fraction=args.verify_fraction, rng=rng)
-        except WorkerTimeout:
-            raise CoreError(f"inference.py did not finish CORE within {args.timeout:.0f}s (--timeout); no score") from None
+    if not args.timeout > 0:
+        raise CoreError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    deadline = time.monotonic() + args.timeout
+    protected = [bundle.source] if bundle.sha256 is not None else []
+    not_official: list[str] = []
     verification, failure = None, ""
-    if args.verify_fraction > 0:
-        longest = max((len(s) for sample in samples for s in sample.request.sequences), default=2)
-        with Worker("model", train_py, args.checkpoint, device, label="train.py", local_rank=local_rank,
-                    tokenizer=tokenizer) as w:
-            forward = ModelForward(w, VERIFY_BATCH_ROWS, -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET,
-                                   tokenizer.get_vocab_size())
-            try:
-                verification = verify_samples(samples, forward, tokenizer, rng)
-            except (CoreError, EvalRefused) as e:
-                failure = str(e)
-            finally:
-                forward.close()
+    with copy_submission(train_py if train_py.is_file() else None, args.checkpoint,
+                         inference_py=inference_py) as submission:
+        try:
+            with Worker("scorer", submission, device, deadline=deadline, label="inference.py", local_rank=local_rank,
+                        tokenizer=tokenizer, protected=protected, use_sandbox=not args.no_sandbox) as w:
+                not_official += w.not_official_because
+                say(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples "
+                    f"each, device {w.info['device']} x {world_size}, verifying {args.verify_fraction:.0%} of the "
+                    "examples")
+                report, samples = evaluate_core(lambda seqs: score_sequences(w, seqs), tokenizer, tasks, examples,
+                                                w.info["max_seq_len"], args.examples_per_call, log=say, rank=rank,
+                                                world_size=world_size, verify_fraction=args.verify_fraction, rng=rng)
+                report_device = w.info["device"]
+            if args.verify_fraction > 0:
+                longest = max((len(s) for sample in samples for s in sample.request.sequences), default=2)
+                with Worker("model", submission, device, deadline=deadline, label="train.py", local_rank=local_rank,
+                            tokenizer=tokenizer, protected=protected, use_sandbox=not args.no_sandbox) as w:
+                    forward = ModelForward(w, VERIFY_BATCH_ROWS,
+                                           -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET,
+                                           tokenizer.get_vocab_size())
+                    try:
+                        verification = verify_samples(samples, forward, tokenizer, rng)
+                    except (CoreError, EvalRefused) as e:
+                        failure = str(e)
+                    finally:
+                        forward.close()
+        except WorkerTimeout:
+            raise CoreError(f"CORE did not finish within {args.timeout:g}s (--timeout: the scorer's load and scoring "
+                            "and the verification); no score. The workers and everything they started were "
+                            "stopped.") from None
     _agree(not failure, failure, world_size)
     if world_size > 1 and verification is not None:
         import torch.distributed as dist
@@ -633,14 +645,15 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
             verification[key] = max(v[key] for v in everyone)
     if rank != 0:
         return 0
-    reasons = official_reasons(bundle, tasks, all_tasks, args.max_per_task, args.verify_fraction)
+    reasons = official_reasons(bundle, tasks, all_tasks, args.max_per_task, args.verify_fraction) + not_official
+    hashes = submission.sha256
     report.update({"official": not reasons, "not_official_because": reasons,
                    "baselines": "bundle eval_meta_data.csv (CORE v1)", "max_per_task": args.max_per_task,
-                   "device": str(device), "bundle": bundle.source, "bundle_sha256": bundle.sha256,
-                   "checkpoint": str(args.checkpoint), "checkpoint_sha256": sha256_file(Path(args.checkpoint)),
-                   "train_py": str(train_py), "train_py_sha256": sha256_file(train_py) if train_py.is_file() else None,
-                   "inference_py_sha256": sha256_file(inference_py), "tokenizer_sha256": tokenizer.sha256,
-                   "verify": verification})
+                   "device": report_device, "bundle": bundle.source, "bundle_sha256": bundle.sha256,
+                   "checkpoint": str(args.checkpoint), "checkpoint_sha256": hashes["checkpoint"],
+                   "train_py": str(train_py), "train_py_sha256": hashes.get("train_py"),
+                   "inference_py_sha256": hashes["inference_py"], "kernels_sha256": hashes.get("kernels"),
+                   "tokenizer_sha256": tokenizer.sha256, "verify": verification})
     report_path = Path(args.report) if args.report else Path(args.checkpoint).resolve().parent / "core_report.json"
     atomic_write_json(report_path, report)
     print("---")
@@ -677,5 +690,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--report", default=None, help="JSON report path (default: core_report.json beside the "
                                                        "checkpoint)")
     parser.add_argument("--timeout", type=float, default=CORE_TIMEOUT_SECONDS,
-                        help="seconds inference.py may take to score everything, once its model is loaded")
+                        help="seconds for everything: inference.py's load and scoring, and the verification worker's "
+                             "load and forwards; past it, no score")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="run the workers without their OS sandbox (to tell a sandbox problem from a model "
+                             "problem; the result is not official)")
     parser.set_defaults(func=cmd_eval_core)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from harness.common import BadShardError, DataError, DownloadError, HarnessError, log, tmp_name
+from harness.common import BadShardError, DataError, DownloadError, HarnessError, log, sha256_file, tmp_name
 from harness.config import CLIMBMIX_LAST_SHARD, cache_root
 from harness.download import DOWNLOAD_WORKERS, download_file
 
@@ -108,11 +108,17 @@ def split_shards(split: str, dataset_dir: Path | None = None) -> list[Path]:
     return [dataset_dir / n for n in names]
 
 
-def check_shard(path: Path, read_data: bool = False) -> int:
+def open_shard(source) -> pq.ParquetFile:
+    """A shard from its path or from its bytes (read_pinned_shard)."""
+    return pq.ParquetFile(pa.BufferReader(source) if isinstance(source, (bytes, bytearray)) else source)
+
+
+def check_shard(path: Path, read_data: bool = False, data: bytes | None = None) -> int:
     """Number of documents in a shard; BadShardError unless it is a parquet file with a string
-    `text` column. read_data=True also decodes every row group (used right after a download)."""
+    `text` column. read_data=True also decodes every row group (used right after a download).
+    data: the shard's bytes, already read (path then only names it)."""
     try:
-        pf = pq.ParquetFile(path)
+        pf = open_shard(path if data is None else data)
     except Exception as e:
         raise BadShardError(f"{path.name} is not a readable parquet file ({type(e).__name__}: {e})")
     names = pf.schema_arrow.names
@@ -132,21 +138,76 @@ def check_shard(path: Path, read_data: bool = False) -> int:
     return pf.metadata.num_rows
 
 
+def shard_hashes(dataset_dir: Path) -> dict[str, str]:
+    """SHA-256 of every final-named shard in the folder (the pins a manifest records)."""
+    return {p.name: sha256_file(p) for _, p in list_shards(dataset_dir)}
+
+
+def shard_pin(path: Path) -> str:
+    """The SHA-256 the dataset's manifest pins for this shard, or DataError."""
+    manifest = load_manifest(path.parent)
+    pin = manifest.get("sha256", {}).get(path.name) if isinstance(manifest.get("sha256"), dict) else None
+    if not pin:
+        raise DataError(f"{path.parent / 'manifest.json'} pins no SHA-256 for {path.name} (it was written by an older "
+                        f"version of the kit). Run `python prepare.py setup --source {manifest.get('source', '...')}` "
+                        "again: it records the pins.")
+    return pin
+
+
+def source_folder(dataset_dir: Path) -> Path | None:
+    """The folder an offline data set was built from (its documents are readable there), or None
+    for a downloaded one."""
+    source = load_manifest(dataset_dir).get("source", "")
+    if source == "stdlib":
+        return Path(sysconfig.get_paths()["stdlib"])
+    if source.startswith("dir:"):
+        return Path(source[4:]).expanduser()
+    return None
+
+
+def read_pinned_shard(path: Path, pin: str | None) -> tuple[bytes, str]:
+    """(the shard's bytes, their SHA-256), read once; DataError if a pin is given and differs. The
+    evaluation parses exactly these bytes, so the hash it reports is of what it scored."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the shard ({e.strerror})") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if pin is not None and digest != pin.lower():
+        raise DataError(f"{path} has sha256 {digest}, but it is pinned as {pin.lower()}: the shard was changed or "
+                        "damaged. Run `python prepare.py setup` with the same source again to repair it (or pass the "
+                        "shard that matches the pin).")
+    return data, digest
+
+
 # ---------------------------------------------------------------------------------------------
 # ClimbMix downloads
 # ---------------------------------------------------------------------------------------------
 
+def _check_pinned(path: Path, pin: str | None, read_data: bool = False) -> None:
+    """BadShardError unless the shard is valid and, when pinned, has the pinned SHA-256."""
+    check_shard(path, read_data=read_data)
+    if pin is not None:
+        actual = sha256_file(path)
+        if actual != pin:
+            raise BadShardError(f"{path.name} has sha256 {actual}, but the manifest pins {pin} (recorded when it was "
+                                "first downloaded)")
+
+
 def download_shards(base_url: str, shard_ids: list[int], dataset_dir: Path, workers: int = DOWNLOAD_WORKERS,
-                    attempts: int | None = None, backoff: float | None = None, timeout: float | None = None) -> None:
-    """Make every listed shard present and valid under its final name. Good files are kept; a bad
-    one stays where it is until its good copy has downloaded and replaces it (a failed repair
-    leaves the bad file, which every reader refuses, never a gap that shifts the splits)."""
+                    attempts: int | None = None, backoff: float | None = None, timeout: float | None = None,
+                    pins: dict | None = None) -> None:
+    """Make every listed shard present and valid under its final name, and equal to its pin where
+    `pins` (name -> SHA-256, from the manifest) has one. Good files are kept; a bad one stays
+    where it is until its good copy has downloaded and replaces it (a failed repair leaves the
+    bad file, which every reader refuses, never a gap that shifts the splits)."""
+    pins = pins or {}
     todo = []
     for i in shard_ids:
         path = dataset_dir / shard_name(i)
         if path.exists():
             try:
-                check_shard(path)
+                _check_pinned(path, pins.get(path.name))
                 continue
             except BadShardError as e:
                 log(f"[data] bad file, downloading a replacement: {e}")
@@ -161,7 +222,7 @@ def download_shards(base_url: str, shard_ids: list[int], dataset_dir: Path, work
     def fetch(i: int) -> int:
         name = shard_name(i)
         return download_file(f"{base_url.rstrip('/')}/{name}", dataset_dir / name,
-                             validate=lambda p: check_shard(p, read_data=True),
+                             validate=lambda p: _check_pinned(p, pins.get(name), read_data=True),
                              attempts=attempts, backoff=backoff, timeout=timeout)
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
@@ -322,13 +383,16 @@ def climbmix_splits(dataset_dir: Path) -> dict[str, list[str]]:
 
 
 def _shards_intact(dataset_dir: Path, manifest: dict) -> bool:
+    """Every shard the manifest lists is there, readable and equal to its pin."""
     names = {p.name for _, p in list_shards(dataset_dir)}
-    if set(manifest.get("shards", {})) != names or "splits" not in manifest:
+    pins = manifest.get("sha256")
+    if set(manifest.get("shards", {})) != names or "splits" not in manifest or not isinstance(pins, dict):
         return False
     try:
         for name in names:
-            check_shard(dataset_dir / name)
-    except BadShardError:
+            _check_pinned(dataset_dir / name, pins.get(name) or "missing")
+    except BadShardError as e:
+        log(f"[data] rebuilding: {e}")
         return False
     return True
 
@@ -354,7 +418,7 @@ def prepare_offline_source(source: str, dataset_dir: Path) -> dict:
     log(f"[data] {source}: wrote {len(shards)} shards, {sum(shards.values())} documents, "
          f"{sum(len(d) for d in docs) / 1e6:.1f}M characters")
     manifest = {"source": source, "fingerprint": fingerprint, "shards": shards, "splits": offline_splits(shards),
-                "python": ".".join(map(str, sys.version_info[:3]))}
+                "sha256": shard_hashes(dataset_dir), "python": ".".join(map(str, sys.version_info[:3]))}
     if old.get("tokenizer") and old.get("fingerprint") == fingerprint:
         manifest["tokenizer"] = old["tokenizer"]
     return manifest
@@ -364,10 +428,13 @@ def prepare_climbmix(dataset_dir: Path, num_train_shards: int, base_url: str, wo
     if not 1 <= num_train_shards <= CLIMBMIX_LAST_SHARD:
         raise HarnessError(f"--num-train-shards must be between 1 and {CLIMBMIX_LAST_SHARD}, got {num_train_shards}")
     ids = list(range(num_train_shards)) + [CLIMBMIX_LAST_SHARD]
-    download_shards(base_url, ids, dataset_dir, workers=workers)
     old = load_manifest(dataset_dir) if (dataset_dir / "manifest.json").exists() else {}
+    pins = old.get("sha256") if isinstance(old.get("sha256"), dict) else {}
+    download_shards(base_url, ids, dataset_dir, workers=workers, pins=pins)
     shards = {p.name: check_shard(p) for _, p in list_shards(dataset_dir)}
-    manifest = {"source": "climbmix", "base_url": base_url, "shards": shards, "splits": climbmix_splits(dataset_dir)}
+    hashes = {name: pins.get(name) or sha256_file(dataset_dir / name) for name in shards}  # pinned ones were checked
+    manifest = {"source": "climbmix", "base_url": base_url, "shards": shards, "splits": climbmix_splits(dataset_dir),
+                "sha256": hashes}
     if old.get("tokenizer"):
         manifest["tokenizer"] = old["tokenizer"]
     return manifest

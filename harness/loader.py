@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import torch
 
 from harness.common import DataError, get_dist_info
-from harness.data import SHARD_NAME, split_shards
+from harness.data import SHARD_NAME, open_shard, split_shards
 from harness.tokenizer import Tokenizer
 
 
@@ -59,11 +59,12 @@ def _document_batches(split: str, start: int, step: int, tokenizer_batch_size: i
         epoch += 1
 
 
-def _shard_document_batches(shards: list[Path], batch: int = 128):
-    """One pass over the documents of the given shards, in order."""
-    for path in shards:
-        for rg in range(pq.ParquetFile(path).metadata.num_row_groups):
-            texts = _row_group_texts(str(path), rg)
+def _shard_document_batches(shards: list, batch: int = 128):
+    """One pass over the documents of the given shards (paths, or their bytes), in order."""
+    for source in shards:
+        pf = open_shard(source)
+        for rg in range(pf.metadata.num_row_groups):
+            texts = pf.read_row_group(rg, columns=["text"]).column("text").to_pylist()
             for i in range(0, len(texts), batch):
                 yield texts[i:i + batch], 1
 

@@ -40,10 +40,13 @@ import torch
 
 from harness.common import DataError, EvalRefused, HarnessError, get_dist_info
 from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS
-from harness.data import check_shard, split_shards
+from harness.data import check_shard, read_pinned_shard, shard_pin, source_folder, split_shards
 from harness.loader import _pack_rows, _shard_document_batches, _tokenized_documents
 from harness.tokenizer import Tokenizer, get_token_bytes
-from harness.worker import ModelForward, Worker, WorkerTimeout, logits_array
+from harness.child import logits_array
+from harness.protocol import WorkerTimeout
+from harness.submission import Submission
+from harness.worker import ModelForward, Worker
 
 # Absolute tolerances on log-softmax values (nats), by the model's compute dtype. "same shape":
 # the same row in another batch of the same shape, or before a cut: the same computation on the
@@ -82,24 +85,31 @@ class CheckLog:
 # Rows
 # ---------------------------------------------------------------------------------------------
 
-def evaluation_rows(tokenizer: Tokenizer, seq_len: int, max_tokens: int, shards: list[Path]) -> np.ndarray:
-    """The fixed rows of an evaluation: int32 [rows, seq_len + 1], BOS-aligned best-fit packing of
-    the shards' documents in file order, at most max_tokens // seq_len rows."""
+def evaluation_rows(tokenizer: Tokenizer, seq_len: int, max_tokens: int, shards: list[tuple[Path, str | None]]
+                    ) -> tuple[np.ndarray, list[str]]:
+    """The fixed rows of an evaluation, int32 [rows, seq_len + 1] (BOS-aligned best-fit packing of
+    the shards' documents in file order, at most max_tokens // seq_len rows), and the SHA-256 of
+    each shard. shards: (path, pin); each is read once, checked against its pin (None: no pin),
+    and parsed from the bytes that were hashed."""
     max_rows = max_tokens // seq_len
     if max_rows < 1:
         raise ValueError(f"max_tokens={max_tokens} is less than one row of seq_len={seq_len}")
-    for path in shards:
-        check_shard(path)
-    docs = _tokenized_documents(_shard_document_batches(shards), tokenizer, num_threads=4)
+    blobs, digests = [], []
+    for path, pin in shards:
+        blob, digest = read_pinned_shard(path, pin)
+        check_shard(path, data=blob)
+        blobs.append(blob)
+        digests.append(digest)
+    docs = _tokenized_documents(_shard_document_batches(blobs), tokenizer, num_threads=4)
     rows = []
     for row, _ in _pack_rows(docs, seq_len + 1, buffer_size=1000):
         rows.append(row)
         if len(rows) == max_rows:
             break
     if not rows:
-        raise DataError(f"no bytes were scored: the validation data ({', '.join(map(str, shards))}) holds no "
-                        f"complete row of {seq_len + 1} tokens")
-    return np.stack(rows)
+        raise DataError(f"no bytes were scored: the validation data ({', '.join(str(p) for p, _ in shards)}) holds "
+                        f"no complete row of {seq_len + 1} tokens")
+    return np.stack(rows), digests
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +130,7 @@ class LocalForward:
             out = self.model(x)
         self.pending.append(np.array(logits_array(out, x.shape[0], x.shape[1], self.vocab), copy=True))
 
-    def result(self, deadline: float | None = None) -> np.ndarray:
+    def result(self) -> np.ndarray:
         return self.pending.popleft()
 
 
@@ -241,7 +251,7 @@ class _Scorer:
 
     def _collect(self) -> None:
         batch = self.in_flight.popleft()
-        logits = self.forward.result(self.deadline)
+        logits = self.forward.result()
         if time.monotonic() > self.deadline:
             raise WorkerTimeout("past the evaluation's time limit")
         own = [self.rows[r, 1:] for r in batch.rows] + [self.rows[p.row, 1:] for p in batch.probes]
@@ -364,7 +374,7 @@ def _gather_outcome(outcome: dict, world: int) -> list[dict]:
 
 
 def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, timeout_seconds: float,
-          compute_dtype: str | None, t0: float) -> dict:
+          compute_dtype: str | None, t0: float, deadline: float) -> dict:
     """Score the rows of this rank (strided over the process group, if any) with the checks, gather
     every rank's per-row sums and add them in row order. EvalRefused on every rank if any rank
     found a broken check."""
@@ -374,8 +384,7 @@ def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, time
     token_bytes = get_token_bytes("cpu", tokenizer).numpy().astype(np.int64)
     cuts = np.random.default_rng(_shared_secret(world)).permutation(np.arange(1, rows.shape[1] - 1))[rank::world]
     scorer = _Scorer(forward, rows[mine], token_bytes, batch_size, tolerances_for(compute_dtype),
-                     vocab - len(SPECIAL_TOKENS), time.monotonic() + timeout_seconds - (time.time() - t0),
-                     np.random.default_rng(secrets.randbits(128)), cuts)
+                     vocab - len(SPECIAL_TOKENS), deadline, np.random.default_rng(secrets.randbits(128)), cuts)
     status, message = "ok", ""
     try:
         scorer.run()
@@ -398,7 +407,7 @@ def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, time
         nats[o["rows"]], nbytes[o["rows"]], tokens[o["rows"]] = o["nats"], o["bytes"], o["tokens"]
     total_nats, total_bytes = float(math.fsum(nats.tolist())), int(nbytes.sum())
     seconds = time.time() - t0
-    over = over or seconds > timeout_seconds
+    over = over or time.monotonic() > deadline
     bpb = total_nats / (math.log(2) * total_bytes) if total_bytes else float("nan")
     worst = {k: max(o["worst"][k] for o in everyone) for k in everyone[0]["worst"]}
     return {"val_bpb": float("nan") if over else bpb, "partial_val_bpb": bpb if over else None,
@@ -412,12 +421,15 @@ def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, time
             "tolerances": tolerances_for(compute_dtype), "compute_dtype": compute_dtype or "unknown"}
 
 
-def _eval_shards(split: str, shard_path) -> list[Path]:
-    shards = [Path(shard_path)] if shard_path is not None else split_shards(split)
-    for path in shards:
+def scored_shards(split: str, shard_path=None, shard_sha256: str | None = None) -> list[tuple[Path, str | None]]:
+    """(path, pin) of the shards an evaluation scores: a split's, pinned by its manifest, or one
+    given shard, pinned by shard_sha256 if given."""
+    if shard_path is not None:
+        path = Path(shard_path)
         if not path.is_file():
             raise HarnessError(f"{path}: no such shard")
-    return shards
+        return [(path, shard_sha256)]
+    return [(path, shard_pin(path)) for path in split_shards(split)]
 
 
 def evaluate_bpb(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, split: str = "public_val",
@@ -429,39 +441,51 @@ def evaluate_bpb(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, dev
     and the result is the same on every rank and at every world size. EvalRefused if the model
     breaks the load contract; past timeout_seconds, eval_over_timeout and val_bpb = nan."""
     t0 = time.time()
+    deadline = time.monotonic() + timeout_seconds
     if hasattr(model, "eval"):
         model.eval()
-    shards = _eval_shards(split, shard_path)
-    rows = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
+    shards = scored_shards(split, shard_path)
+    rows, digests = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
     dtype = getattr(model, "compute_dtype", None)
     forward = LocalForward(model, device, tokenizer.get_vocab_size())
     result = score(forward, rows, tokenizer, batch_size, timeout_seconds,
-                   str(dtype).replace("torch.", "") if dtype is not None else None, t0)
+                   str(dtype).replace("torch.", "") if dtype is not None else None, t0, deadline)
     result.update(max_tokens=max_tokens, split=split if shard_path is None else "shard",
-                  shards=[str(p) for p in shards], isolated=False)
+                  shards=[str(p) for p, _ in shards], shard_sha256=digests, isolated=False)
     return result
 
 
-def evaluate_checkpoint(train_py, checkpoint, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, *,
+def evaluate_checkpoint(submission: Submission, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, *,
                         split: str = "public_val", max_tokens: int = EVAL_TOKENS,
-                        timeout_seconds: float = EVAL_TIMEOUT_SECONDS, shard_path=None, local_rank: int = 0,
-                        label: str = "worker") -> dict:
-    """The official evaluation: train.py's load_for_eval(checkpoint) runs in a worker process, which
-    sees only the input rows; everything else happens here. The clock starts once the model is
-    loaded (loading has its own limit)."""
-    shards = _eval_shards(split, shard_path)
-    rows = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
-    with Worker("model", train_py, checkpoint, device, label=label, local_rank=local_rank,
-                tokenizer=tokenizer) as worker:
-        t0 = time.time()
+                        timeout_seconds: float = EVAL_TIMEOUT_SECONDS, shard_path=None, shard_sha256=None,
+                        local_rank: int = 0, label: str = "worker", use_sandbox: bool = True) -> dict:
+    """The official evaluation: the submission's load_for_eval(checkpoint) runs in a sandboxed
+    worker process, which sees only the input rows; everything else happens here. Everything (the
+    rows, the worker's start and load, the forwards and checks) must finish within timeout_seconds:
+    past it, WorkerTimeout (the worker is gone by then)."""
+    start = time.time()
+    deadline = time.monotonic() + timeout_seconds
+    shards = scored_shards(split, shard_path, shard_sha256)
+    rows, digests = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
+    protected = [p for p, _ in shards]  # ... and what an offline data set was built from
+    protected += [] if shard_path is not None else [f for f in {source_folder(p.parent) for p in protected} if f]
+    with Worker("model", submission, device, deadline=deadline, label=label, local_rank=local_rank,
+                tokenizer=tokenizer, protected=protected, use_sandbox=use_sandbox) as worker:
         forward = ModelForward(worker, batch_size, seq_len, tokenizer.get_vocab_size())
+        t0 = time.time()  # eval_seconds: the scoring, once the model is loaded
         try:
             result = score(forward, rows, tokenizer, batch_size, timeout_seconds,
-                           worker.info.get("compute_dtype"), t0)
+                           worker.info["compute_dtype"], t0, deadline)
         finally:
             forward.close()
+    if result["eval_over_timeout"]:
+        raise WorkerTimeout(f"the evaluation did not finish within {timeout_seconds:g}s")
     result.update(max_tokens=max_tokens, split=split if shard_path is None else "shard",
-                  shards=[str(p) for p in shards], isolated=True, device=worker.info.get("device", str(device)))
+                  shards=[str(p) for p, _ in shards], shard_sha256=digests, isolated=True,
+                  device=worker.info["device"], sandbox=worker.sandbox_applied,
+                  worker_start_seconds=worker.start_seconds, sandbox_seconds=worker.sandbox_seconds,
+                  not_official_because=worker.not_official_because,
+                  total_seconds=time.time() - start)
     return result
 
 
@@ -473,7 +497,7 @@ def causality_check(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, 
     log-softmax), each kind's worst difference and a message. No collectives: every rank may call it."""
     if hasattr(model, "eval"):
         model.eval()
-    rows = evaluation_rows(tokenizer, seq_len, max_rows * seq_len, split_shards(split))
+    rows, _ = evaluation_rows(tokenizer, seq_len, max_rows * seq_len, scored_shards(split))
     dtype = getattr(model, "compute_dtype", None)
     dtype = str(dtype).replace("torch.", "") if dtype is not None else None
     scorer = _Scorer(LocalForward(model, device, tokenizer.get_vocab_size()), rows,

@@ -1,32 +1,38 @@
-"""The worker: a separate process that runs participant code (train.py's load_for_eval and the
-model's forward, or inference.py's scorer), so that nothing a participant writes ever runs in the
-process that computes the metric.
+"""The harness's side of a worker: a separate, sandboxed process that runs participant code
+(train.py's load_for_eval and the model's forward, or inference.py's scorer), so that nothing a
+participant writes ever runs in the process that computes the metric. The worker itself is
+harness/child.py; the messages are harness/protocol.py; the sandbox is harness/sandbox.py.
 
-The harness starts it clean: a fresh interpreter, its own empty working directory, an environment
-without the data locations (FRONTIER_*, NEURON_COMPETITION_R1_*, torchrun's variables) and argv
-holding only the number of its socket. It receives the files to load and the token rows to run
-over a private socket, and writes logits into a memory-mapped file the harness then copies: plain
-arrays, never objects. Whatever the worker prints goes to the harness's stderr, each line marked
-with `[worker]`; only the harness writes result lines on stdout.
+    parent (harness)                                 child (python -m harness.child FD)
+    Worker("model", submission, device)   ----->    sandbox, load_for_eval(ckpt copy, device)
+    ModelForward.submit(rows) / .result() ----->    model(rows) -> logits into a sealed memfd
+    Worker("scorer", submission, device)  ----->    sandbox, load_scorer(ckpt copy, device)
+    score_sequences(worker, sequences)    ----->    scorer.score(sequences) -> losses, greedy
 
-    parent (harness)                              child (python -m harness.worker FD)
-    Worker("model", train.py, ckpt, device) --->  load_for_eval(ckpt, device), contract checks
-    ModelForward.submit(rows) / .result()  --->   model(rows) -> logits written to the mapped file
-    Worker("scorer", inference.py, ckpt, ...) ->  load_scorer(ckpt, device)
-    score_sequences(worker, sequences)     --->   scorer.score(sequences) -> losses, greedy
-
-Everything the child sends is untrusted input to the parent: sizes are bounded, shapes checked,
-values copied once out of the shared file before anything reads them.
-"""
+Containment, and where each part lives:
+- The worker starts clean: a fresh interpreter in its own private folder (its HOME, TMPDIR and
+  compiler caches point there; the harness deletes it), an environment without the data
+  locations or torchrun's variables, stdin /dev/null, stdout and stderr pipes the harness reads
+  (each line marked `[label]`, length and total capped), no other descriptor of the harness.
+- It loads the harness's private copy of the participant's files (harness/submission.py).
+- Before any participant code is imported it applies the sandbox the harness names; the
+  harness first checks that no file it scores lies where the sandbox lets the worker read.
+- Every request has a deadline; every reply is size-bounded and checked (protocol.py), and the
+  values it carries are names from fixed lists (_checked_info), never text the harness prints.
+- Logits come back through memfds the harness created, sized and sealed (no shrinking, no
+  growing), so the worker cannot make the harness's mapping fault.
+- The harness is a child subreaper: whatever the worker starts, however detached, is re-parented
+  to the harness when its parent dies, and close() kills and reaps all of it before returning."""
 from __future__ import annotations
 
 import collections
-import importlib.util
-import json
+import fcntl
+import mmap
 import os
+import re
 import shutil
+import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -36,197 +42,304 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import protocol, sandbox
+from harness.child import LOGIT_DTYPES
 from harness.common import EvalRefused, HarnessError
 from harness.config import REPO_DIR
+from harness.protocol import WorkerError, WorkerTimeout
+from harness.submission import Submission
 
-MAX_HEADER_BYTES = 1 << 20  # a reply header larger than this is a broken or hostile worker
-LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what model(inputs) may return
 STDERR_TAIL_LINES = 40  # worker output kept for error messages
-WORKER_START_TIMEOUT_SECONDS = 3600.0  # loading (and compiling) a model; the caller's deadline may be shorter
+MAX_LINE_CHARS = 4000  # a longer output line is cut into pieces of this size
+MAX_FORWARDED_BYTES = 8 << 20  # worker output forwarded to stderr; the rest is read and dropped
+MAX_MESSAGE_CHARS = 4000  # of an error text the worker reports
+EXIT_GRACE_SECONDS = 2.0  # after "exit", how long the worker may take before it is killed
+REAP_SECONDS = 10.0  # how long close() keeps killing what the worker left behind
+MAX_SEQ_LEN = 1 << 24  # a scorer's max_seq_len above this is not a length
+DEVICE_NAME = re.compile(r"(cpu|cuda|neuron|mps|xla)(:[0-9]{1,4})?")
 # Environment variables the worker never sees: data and output locations, and torchrun's (the worker
 # is one single-device process; it must not join the harness's process group).
 HIDDEN_ENV_PREFIXES = ("FRONTIER_", "NEURON_COMPETITION_R1_", "TORCHELASTIC_")
 HIDDEN_ENV_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+# Caches a compiler may write: all of them go to the worker's private folder, so nothing one
+# worker writes is read by another (a shared cache would be a channel between them).
+CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "XDG_CACHE_HOME": "xdg",
+                   "CUDA_CACHE_PATH": "cuda", "NEURON_COMPILE_CACHE_URL": "neuron", "NKI_COMPILE_CACHE_URL": "nki",
+                   "TORCH_NEURONX_NEFF_CACHE_DIR": "neff"}
 
 
-class WorkerError(HarnessError):
-    """The worker failed: it could not load the participant's files, crashed, or broke the protocol."""
+def quoted(text, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """A worker-supplied text made safe to print on stderr: cut to limit, control characters
+    escaped, every line after the first indented (it can never pass for a result line)."""
+    text = str(text)[:limit]
+    text = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+    return text.replace("\n", "\n    | ")
 
 
-class WorkerTimeout(HarnessError):
-    pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Messages: a 4-byte length, a JSON header, then `payload` raw bytes
-# ---------------------------------------------------------------------------------------------
-
-def _send(sock: socket.socket, header: dict, payload: bytes = b"") -> None:
-    data = json.dumps({**header, "payload": len(payload)}).encode()
-    sock.sendall(struct.pack("<I", len(data)) + data + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerTimeout("the worker did not answer in time")
-            sock.settimeout(left)
-        try:
-            chunk = sock.recv(min(n - got, 1 << 20))
-        except socket.timeout:
-            raise WorkerTimeout("the worker did not answer in time") from None
-        if not chunk:
-            raise ConnectionError("the worker closed its connection")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(sock: socket.socket, deadline: float | None = None, max_payload: int = 1 << 34) -> tuple[dict, bytes]:
-    (size,) = struct.unpack("<I", _recv_exact(sock, 4, deadline))
-    if size > MAX_HEADER_BYTES:
-        raise WorkerError(f"the worker sent a {size}-byte message header (at most {MAX_HEADER_BYTES})")
-    try:
-        header = json.loads(_recv_exact(sock, size, deadline))
-        payload_size = int(header["payload"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise WorkerError(f"the worker sent a malformed message ({type(e).__name__}: {e})") from None
-    if not 0 <= payload_size <= max_payload:
-        raise WorkerError(f"the worker announced a {payload_size}-byte payload (at most {max_payload})")
-    return header, _recv_exact(sock, payload_size, deadline)
-
-
-# ---------------------------------------------------------------------------------------------
-# The parent's side
-# ---------------------------------------------------------------------------------------------
-
-def worker_environment(tokenizer_copy: Path | None = None, tokenizer_sha256: str | None = None) -> dict:
+def worker_environment(private_dir: Path, tokenizer_copy: Path | None = None,
+                       tokenizer_sha256: str | None = None) -> dict:
     """The worker's environment: the harness's, without data locations and torchrun's variables,
-    with the kit on PYTHONPATH (train.py files import `prepare`) and, when given, a private copy of
-    the pinned tokenizer (so ensure_tokenizer() works there without naming any data folder)."""
+    with the kit on PYTHONPATH (train.py files import `prepare`), HOME, TMPDIR and every compiler
+    cache in its private folder, and, when given, a private copy of the pinned tokenizer (so
+    ensure_tokenizer() works there without naming any data folder)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(HIDDEN_ENV_PREFIXES) and k not in HIDDEN_ENV_NAMES}
     if tokenizer_copy is not None:
         env["FRONTIER_TOKENIZER_PATH"], env["FRONTIER_TOKENIZER_SHA256"] = str(tokenizer_copy), tokenizer_sha256
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR)] + ([os.environ["PYTHONPATH"]]
                                                           if os.environ.get("PYTHONPATH") else []))
-    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONUNBUFFERED"] = env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["HOME"] = str(private_dir)
+    env["TMPDIR"] = str(private_dir / "tmp")
+    for name, folder in CACHE_VARIABLES.items():
+        env[name] = str(private_dir / "cache" / folder)
     return env
 
 
-def _shared_dir() -> Path:
-    """Where the mapped files live: shared memory when the machine has room there."""
-    base = Path("/dev/shm")
-    return base if base.is_dir() and os.access(base, os.W_OK) else Path(tempfile.gettempdir())
+# ---------------------------------------------------------------------------------------------
+# Processes: the worker's tree, found through /proc and killed whole
+# ---------------------------------------------------------------------------------------------
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+                parents[int(entry)] = int(stat[stat.rindex(b")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return parents
+
+
+def _descendants(root: int, parents: dict[int, int]) -> set[int]:
+    children = collections.defaultdict(list)
+    for pid, ppid in parents.items():
+        children[ppid].append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _reap(pid: int) -> bool:
+    """True once pid (a child of this process) has exited and is reaped."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker
+# ---------------------------------------------------------------------------------------------
+
+def sandbox_plan(enabled: bool) -> tuple[int, str | None, str]:
+    """(Landlock ABI to apply, seccomp arch or None, why the result is not official: '' if it is)."""
+    if not enabled:
+        return 0, None, "the worker's sandbox is off (--no-sandbox)"
+    abi, arch = sandbox.landlock_abi(), sandbox.seccomp_arch()
+    return abi, arch, sandbox.sandbox_shortfall(abi)
+
+
+def _checked_info(mode: str, header: dict) -> dict:
+    """What the worker reported after loading, as names from fixed lists (WorkerError otherwise)."""
+    device = header.get("device")
+    if not isinstance(device, str) or not DEVICE_NAME.fullmatch(device):
+        raise WorkerError(f"the worker reported a device that is not a device name ({quoted(repr(device), 60)})")
+    if mode == "model":
+        dtype = header.get("compute_dtype")
+        if dtype is not None and dtype not in LOGIT_DTYPES:
+            raise WorkerError(f"the model's compute_dtype must be one of {LOGIT_DTYPES} (or unset), got "
+                              f"{quoted(repr(dtype), 60)}")
+        return {"compute_dtype": dtype, "device": device}
+    max_len = header.get("max_seq_len")
+    if max_len is not None and not (type(max_len) is int and 2 <= max_len <= MAX_SEQ_LEN):
+        raise WorkerError(f"the scorer's max_seq_len must be an int from 2 to {MAX_SEQ_LEN} or None")
+    return {"max_seq_len": max_len, "device": device}
 
 
 class Worker:
-    """One worker process. mode "model": `participant_file` is a train.py with load_for_eval;
-    mode "scorer": an inference.py with load_scorer. `info` holds what the worker reported after
-    loading (for a model: its compute dtype; for a scorer: max_seq_len). `tokenizer` (the harness's
-    verified one) is copied into the worker's folder for ensure_tokenizer() there."""
+    """One worker process. mode "model": the submission's train.py with load_for_eval; mode
+    "scorer": its inference.py with load_scorer. `info` holds what the worker reported after
+    loading (checked: a model's compute dtype, a scorer's max_seq_len, the device). `protected`
+    are the files the harness scores: if the sandbox would let the worker read one, the run is
+    not official (`not_official_because`). Everything must finish before `deadline`
+    (time.monotonic()); past it, WorkerTimeout."""
 
-    def __init__(self, mode: str, participant_file, checkpoint, device, *, label: str = "worker",
-                 deadline: float | None = None, local_rank: int = 0, tokenizer=None):
+    def __init__(self, mode: str, submission: Submission, device, *, deadline: float, label: str = "worker",
+                 local_rank: int = 0, tokenizer=None, protected=(), use_sandbox: bool = True):
         if mode not in ("model", "scorer"):
             raise ValueError(f"unknown worker mode {mode!r}")
-        participant_file, checkpoint = Path(participant_file), Path(checkpoint)
-        if not participant_file.is_file():
-            raise HarnessError(f"{participant_file}: no such file")
-        if not checkpoint.is_file():
-            raise HarnessError(f"checkpoint {checkpoint}: no such file")
-        self.mode, self.label = mode, label
-        self.workdir = Path(tempfile.mkdtemp(prefix="frontier-worker-"))
+        participant_file = submission.train_py if mode == "model" else submission.inference_py
+        self.mode, self.label, self.deadline = mode, label, deadline
+        self.not_official_because: list[str] = []
+        self.sandbox_applied: list[str] = []
+        self.start_seconds = self.sandbox_seconds = 0.0  # interpreter start and imports; the sandbox alone
+        t_start = time.monotonic()
+        self.private_dir = Path(tempfile.mkdtemp(prefix="frontier-worker-"))
+        (self.private_dir / "tmp").mkdir()
         tokenizer_copy = None
         if tokenizer is not None:
-            tokenizer_copy = self.workdir / "tokenizer.json"
+            tokenizer_copy = self.private_dir / "tokenizer.json"
             shutil.copyfile(tokenizer.path, tokenizer_copy)
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._forwarded = 0
+        self._output_lock = threading.Lock()
+        sandbox.become_subreaper()
+        self._children_before = {pid for pid, ppid in _parents().items() if ppid == os.getpid()}
         parent_sock, child_sock = socket.socketpair()
         self.sock = parent_sock
-        env = worker_environment(tokenizer_copy, getattr(tokenizer, "sha256", None))
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.worker", str(child_sock.fileno())],
-                                     cwd=self.workdir, env=env, pass_fds=(child_sock.fileno(),),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        env = worker_environment(self.private_dir, tokenizer_copy, getattr(tokenizer, "sha256", None))
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.child", str(child_sock.fileno())],
+                                     cwd=self.private_dir, env=env, pass_fds=(child_sock.fileno(),),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         child_sock.close()
         self._pumps = [threading.Thread(target=self._pump, args=(stream,), daemon=True)
                        for stream in (self.proc.stdout, self.proc.stderr)]
         for t in self._pumps:
             t.start()
-        start_deadline = time.monotonic() + WORKER_START_TIMEOUT_SECONDS
-        deadline = min(deadline, start_deadline) if deadline is not None else start_deadline
         try:
-            self.info = self.request({"cmd": "load", "mode": mode, "file": str(participant_file.resolve()),
-                                      "checkpoint": str(checkpoint.resolve()), "device": str(device),
-                                      "local_rank": local_rank}, deadline=deadline)[0]
+            with open(f"/proc/{self.proc.pid}/oom_score_adj", "w") as f:
+                f.write("1000")  # out of memory, the kernel kills the worker first
+        except OSError:
+            pass
+        try:
+            sys_path = self.request({"cmd": "hello"})[0].get("sys_path")
+            self.start_seconds = time.monotonic() - t_start
+            self._start_sandbox(sys_path, submission, protected, use_sandbox)
+            self.info = _checked_info(mode, self.request(
+                {"cmd": "load", "mode": mode, "file": str(participant_file), "checkpoint": str(submission.checkpoint),
+                 "device": str(device), "local_rank": local_rank})[0])
         except BaseException:
             self.close()
             raise
 
+    def _start_sandbox(self, sys_path, submission: Submission, protected, use_sandbox: bool) -> None:
+        t0 = time.monotonic()
+        if not isinstance(sys_path, list) or not all(isinstance(p, str) for p in sys_path):
+            raise WorkerError("the worker's hello did not list its sys.path")
+        abi, arch, shortfall = sandbox_plan(use_sandbox)
+        private = os.path.realpath(self.private_dir)
+        rules = sandbox.worker_rules(REPO_DIR, self.private_dir, submission.dir)
+        rules += [(p, "execute") for p in sys_path
+                  if os.path.realpath(p) not in (private, os.path.realpath(REPO_DIR)) and os.path.isdir(p)]
+        reply = self.request({"cmd": "sandbox", "off": not use_sandbox, "abi": abi, "seccomp": arch,
+                              "rules": [list(r) for r in rules]})[0]
+        applied = reply.get("applied")
+        if not isinstance(applied, list) or not all(isinstance(a, str) and len(a) < 40 for a in applied):
+            raise WorkerError("the worker's sandbox reply is malformed")
+        self.sandbox_applied = applied
+        if shortfall:
+            self.not_official_because.append(shortfall)
+        exposed = sandbox.exposed_paths(protected, rules) if use_sandbox and abi else []
+        if exposed:
+            self.not_official_because.append(f"the worker can read {', '.join(exposed[:3])} (scored data, or what it "
+                                              "was built from, under a folder the interpreter or the system needs)")
+        self.sandbox_seconds = time.monotonic() - t0
+
     def _pump(self, stream) -> None:
-        """Forward the worker's output to our stderr, marked, and keep its tail for error messages."""
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self.stderr_tail.append(line)
-            print(f"[{self.label}] {line}", file=sys.stderr, flush=True)
+        """Forward the worker's output to our stderr, marked, in lines of at most MAX_LINE_CHARS,
+        up to MAX_FORWARDED_BYTES; keep its tail for error messages."""
+        while True:
+            raw = stream.readline(MAX_LINE_CHARS)
+            if not raw:
+                return
+            line = quoted(raw.decode("utf-8", errors="replace").rstrip("\n"), MAX_LINE_CHARS).replace("\n    | ", " ")
+            with self._output_lock:
+                self.stderr_tail.append(line)
+                self._forwarded += len(raw)
+                if self._forwarded <= MAX_FORWARDED_BYTES:
+                    print(f"[{self.label}] {line}", file=sys.stderr, flush=True)
+                elif self._forwarded - len(raw) <= MAX_FORWARDED_BYTES:
+                    print(f"[{self.label}] ... more than {MAX_FORWARDED_BYTES >> 20} MiB of output; the rest is not "
+                          "shown", file=sys.stderr, flush=True)
 
     def _failure(self, what: str) -> WorkerError:
         code = self.proc.poll()
         if code is None:
             try:
-                code = self.proc.wait(timeout=5)
+                code = self.proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 code = None
         for t in self._pumps:
-            t.join(timeout=2)
+            t.join(timeout=1)
         tail = "\n    ".join(list(self.stderr_tail)[-12:]) or "(no output)"
         state = f"exited with code {code}" if code is not None else "stopped answering"
         return WorkerError(f"the {self.mode} worker {state} while {what}. Its last output:\n    {tail}")
 
-    def send(self, header: dict, payload: bytes = b"") -> None:
+    def send(self, header: dict, payload=b"", fds=()) -> None:
         try:
-            _send(self.sock, header, payload)
+            protocol.send(self.sock, header, payload, fds)
         except OSError:
             raise self._failure(f"receiving the request {header.get('cmd')!r}") from None
 
-    def receive(self, what: str, deadline: float | None = None, max_payload: int = 1 << 34) -> tuple[dict, bytes]:
+    def receive(self, what: str, max_payload: int = 0) -> tuple[dict, bytes]:
         """The next reply; EvalRefused when the worker reports a contract failure, WorkerError on a
-        crash, WorkerTimeout past the deadline."""
+        crash or a malformed reply, WorkerTimeout past the deadline."""
         try:
-            header, payload = _recv(self.sock, deadline, max_payload)
+            header, payload = protocol.recv(self.sock, self.deadline, max_payload)
         except ConnectionError:
             raise self._failure(what) from None
         if "refused" in header:
-            raise EvalRefused(str(header["refused"])[:2000])
+            raise EvalRefused(quoted(header["refused"]))
         if "error" in header:
-            raise WorkerError(str(header["error"])[:4000])
+            raise WorkerError(quoted(header["error"]))
         return header, payload
 
-    def request(self, header: dict, payload: bytes = b"", deadline: float | None = None,
-                max_payload: int = 1 << 34) -> tuple[dict, bytes]:
-        self.send(header, payload)
-        return self.receive(f"answering {header.get('cmd')!r}", deadline, max_payload)
+    def request(self, header: dict, payload=b"", max_payload: int = 0, fds=()) -> tuple[dict, bytes]:
+        self.send(header, payload, fds)
+        return self.receive(f"answering {header.get('cmd')!r}", max_payload)
 
     def close(self) -> None:
+        """Stop the worker and everything it started (killed and reaped), and remove its folder."""
         try:
             if self.proc.poll() is None:
                 try:
-                    _send(self.sock, {"cmd": "exit"})
-                    self.proc.wait(timeout=10)
+                    protocol.send(self.sock, {"cmd": "exit"})
+                    self.proc.wait(timeout=EXIT_GRACE_SECONDS)
                 except (OSError, subprocess.TimeoutExpired):
                     pass
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+            self._kill_everything()
             self.sock.close()
             for t in self._pumps:
                 t.join(timeout=2)
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    def _kill_everything(self) -> None:
+        me, give_up = os.getpid(), time.monotonic() + REAP_SECONDS
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _kill({self.proc.pid} | _descendants(self.proc.pid, _parents()))
+        self.proc.wait()
+        while time.monotonic() < give_up:  # the orphans (re-parented to us, the subreaper) and theirs
+            parents = _parents()
+            orphans = {pid for pid, ppid in parents.items() if ppid == me} - self._children_before
+            orphans = {pid for pid in orphans if not _reap(pid)}
+            if not orphans:
+                return
+            _kill(orphans | set().union(*(_descendants(p, parents) for p in orphans)))
+            time.sleep(0.01)
+        print(f"[{self.label}] warning: processes the worker started were still alive after {REAP_SECONDS:.0f}s",
+              file=sys.stderr)
 
     def __enter__(self):
         return self
@@ -235,24 +348,42 @@ class Worker:
         self.close()
 
 
+# ---------------------------------------------------------------------------------------------
+# The model's forward, through a worker
+# ---------------------------------------------------------------------------------------------
+
+def sealed_buffer(size: int) -> tuple[int, mmap.mmap]:
+    """A shared-memory file of exactly size bytes that nobody can shrink or grow (a memfd with
+    F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), and the harness's mapping of it."""
+    fd = os.memfd_create("frontier-logits", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 class ModelForward:
-    """model(rows) through a model worker, pipelined: up to two requests in flight, each with its
-    own pair of mapped files (inputs int32 [B, L], logits float32 [B, L, vocab]); a request may
-    use fewer rows and a shorter length. result() returns a private copy of the logits: the worker
-    cannot change them after they were read."""
+    """model(rows) through a model worker, pipelined: up to two requests in flight. Rows go in the
+    request; logits come back in a sealed shared buffer per slot (float32 [B, L, vocab]); a request
+    may use fewer rows and a shorter length. result() returns a private copy of the logits: the
+    worker cannot change them after they were read."""
 
     SLOTS = 2
 
     def __init__(self, worker: Worker, batch_size: int, max_len: int, vocab_size: int):
         self.worker, self.batch_size, self.max_len, self.vocab = worker, batch_size, max_len, vocab_size
-        self.dir = Path(tempfile.mkdtemp(prefix="frontier-logits-", dir=_shared_dir()))
-        self.inputs, self.outputs = [], []
-        for slot in range(self.SLOTS):
-            self.inputs.append(np.lib.format.open_memmap(self.dir / f"inputs{slot}.npy", mode="w+", dtype=np.int32,
-                                                         shape=(batch_size, max_len)))
-            self.outputs.append(np.lib.format.open_memmap(self.dir / f"logits{slot}.npy", mode="w+",
-                                                          dtype=np.float32, shape=(batch_size, max_len, vocab_size)))
-        worker.request({"cmd": "buffers", "dir": str(self.dir), "slots": self.SLOTS, "vocab_size": vocab_size})
+        shape = (batch_size, max_len, vocab_size)
+        size = batch_size * max_len * vocab_size * 4
+        fds, self.maps, self.outputs = [], [], []
+        try:
+            for _ in range(self.SLOTS):
+                fd, mapped = sealed_buffer(size)
+                fds.append(fd)
+                self.maps.append(mapped)
+                self.outputs.append(np.ndarray(shape, dtype=np.float32, buffer=mapped))
+            worker.request({"cmd": "buffers", "shape": list(shape)}, fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         self.pending: collections.deque[tuple[int, int, int]] = collections.deque()  # (slot, rows, length)
         self.next_slot = 0
 
@@ -265,24 +396,24 @@ class ModelForward:
             raise ValueError(f"rows of shape {rows.shape} do not fit the buffers [{self.batch_size}, {self.max_len}]")
         slot = self.next_slot
         self.next_slot = (slot + 1) % self.SLOTS
-        self.inputs[slot][:n, :length] = rows
-        self.worker.send({"cmd": "forward", "slot": slot, "rows": n, "length": length})
+        self.worker.send({"cmd": "forward", "slot": slot, "rows": n, "length": length},
+                         np.ascontiguousarray(rows, dtype=np.int32).tobytes())
         self.pending.append((slot, n, length))
 
-    def result(self, deadline: float | None = None) -> np.ndarray:
+    def result(self) -> np.ndarray:
         """The logits of the oldest submitted forward: a private float32 copy [n, L, vocab]."""
         slot, n, length = self.pending.popleft()
-        self.worker.receive("running the model's forward", deadline, max_payload=0)
+        self.worker.receive("running the model's forward")
         return np.array(self.outputs[slot][:n, :length], dtype=np.float32, copy=True)
 
     def close(self) -> None:
-        self.inputs.clear()
         self.outputs.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        for mapped in self.maps:
+            mapped.close()
+        self.maps.clear()
 
 
-def score_sequences(worker: Worker, sequences: list[list[int]], deadline: float | None = None
-                    ) -> list[tuple[np.ndarray, np.ndarray]]:
+def score_sequences(worker: Worker, sequences: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """inference.py's score(sequences) through a scorer worker: for each sequence of n tokens,
     (losses float32 [n-1], greedy int64 [n-1]), checked for count, shape and finiteness."""
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
@@ -290,7 +421,7 @@ def score_sequences(worker: Worker, sequences: list[list[int]], deadline: float 
         raise ValueError("every sequence needs at least 2 tokens")
     flat = np.concatenate([np.asarray(s, dtype=np.int32) for s in sequences])
     expected = int((lengths - 1).sum())
-    header, payload = worker.request({"cmd": "score", "lengths": lengths.tolist()}, flat.tobytes(), deadline,
+    header, payload = worker.request({"cmd": "score", "lengths": lengths.tolist()}, flat.tobytes(),
                                      max_payload=8 * expected)
     if len(payload) != 8 * expected:
         raise WorkerError(f"score() results hold {len(payload)} bytes for {len(sequences)} sequences; expected "
@@ -301,187 +432,3 @@ def score_sequences(worker: Worker, sequences: list[list[int]], deadline: float 
         raise EvalRefused("inference.py's score() returned non-finite losses")
     cuts = np.cumsum(lengths - 1)[:-1]
     return list(zip(np.split(losses, cuts), np.split(greedy, cuts)))
-
-
-# ---------------------------------------------------------------------------------------------
-# The child's side: everything below runs in the worker process, with participant code
-# ---------------------------------------------------------------------------------------------
-
-def import_participant_module(path, module_name: str):
-    """Import a participant file by path without running its main(). Its folder goes first on
-    sys.path, so `import kernels` and `from train import ...` find the participant's files."""
-    path = Path(path)
-    if not path.is_file():
-        raise HarnessError(f"{path}: no such file")
-    parent = str(path.resolve().parent)
-    if parent in sys.path:
-        sys.path.remove(parent)
-    sys.path.insert(0, parent)
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise HarnessError(f"importing {path} failed: {type(e).__name__}: {e}") from e
-    return module
-
-
-def call_participant_loader(path, module_name: str, hook_name: str, checkpoint, device, why: str):
-    """`hook_name(checkpoint, device)` from the participant file at path, with clear errors for a
-    missing hook and a checkpoint the hook cannot load."""
-    import torch
-    module = import_participant_module(path, module_name)
-    hook = getattr(module, hook_name, None)
-    if not callable(hook):
-        raise HarnessError(f"{path} defines no {hook_name}(checkpoint_path, device); {why}")
-    try:
-        return hook(str(checkpoint), torch.device(device))
-    except Exception as e:
-        raise HarnessError(f"{hook_name} could not load {checkpoint}: {type(e).__name__}: {e}") from e
-
-
-def load_participant_model(train_py, checkpoint, device):
-    """train_py's load_for_eval(checkpoint, device), checked against the load contract."""
-    import torch
-    model = call_participant_loader(train_py, "participant_train", "load_for_eval", checkpoint, device,
-                                    "the scorer loads the model through it (see the README, 'The metric and the "
-                                    "load contract')")
-    if not isinstance(model, torch.nn.Module):
-        raise HarnessError(f"load_for_eval returned {type(model).__name__}, expected a torch.nn.Module")
-    if model.training:
-        raise HarnessError("load_for_eval returned a model in training mode; the contract asks for model.eval()")
-    hooked = [name or "<root>" for name, m in model.named_modules()
-              if m._forward_hooks or m._forward_pre_hooks]
-    if hooked:
-        raise HarnessError(f"load_for_eval returned a model with forward hooks on {hooked[:5]}; the contract "
-                           "asks for a pure forward without hooks")
-    return model
-
-
-def logits_array(out, batch: int, seq_len: int, vocab: int) -> np.ndarray:
-    """model(inputs)'s output as float32 [batch, seq_len, vocab], or EvalRefused: it must be
-    exactly a plain torch.Tensor (no subclass) of a floating dtype and shape [batch, seq_len, V >= vocab]."""
-    import torch
-    if type(out) is not torch.Tensor:
-        raise EvalRefused(f"model(inputs) must return a plain torch.Tensor of logits, got {type(out).__module__}."
-                          f"{type(out).__qualname__}")
-    if str(out.dtype).replace("torch.", "") not in LOGIT_DTYPES:
-        raise EvalRefused(f"model(inputs) returned logits of dtype {out.dtype}; expected one of {LOGIT_DTYPES}")
-    if out.dim() != 3 or out.shape[0] != batch or out.shape[1] != seq_len or out.shape[2] < vocab:
-        raise EvalRefused(f"model(inputs) returned shape {tuple(out.shape)} for inputs {(batch, seq_len)}; "
-                          f"expected logits [{batch}, {seq_len}, V] with V >= {vocab}")
-    return out.detach()[..., :vocab].to("cpu", torch.float32).numpy()
-
-
-def resolve_device(name: str, local_rank: int):
-    """The worker's device: "auto" is the fastest present (neuron, cuda, cpu), chosen here, so the
-    harness process itself never touches an accelerator; CUDA takes the rank's own GPU."""
-    import torch
-    from harness.common import detect_device_type
-    kind = detect_device_type() if name == "auto" else name
-    return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
-
-
-class _Child:
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.model = self.scorer = self.device = None
-        self.inputs, self.outputs = [], []
-
-    def load(self, msg: dict) -> dict:
-        import torch
-        self.device = resolve_device(msg["device"], int(msg["local_rank"]))
-        if self.device.type == "neuron" and hasattr(torch, "neuron") and hasattr(torch.neuron, "set_device"):
-            torch.neuron.set_device(int(msg["local_rank"]))
-        if msg["mode"] == "model":
-            self.model = load_participant_model(msg["file"], msg["checkpoint"], self.device)
-            dtype = getattr(self.model, "compute_dtype", None)
-            return {"compute_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
-                    "device": str(self.device)}
-        self.scorer = call_participant_loader(msg["file"], "participant_inference", "load_scorer", msg["checkpoint"],
-                                              self.device, "the CORE scorer calls it (see the README, 'Phase 2: CORE')")
-        if not callable(getattr(self.scorer, "score", None)):
-            raise HarnessError(f"load_scorer returned {type(self.scorer).__name__}, which has no score(sequences) method")
-        max_len = getattr(self.scorer, "max_seq_len", None)
-        if max_len is not None and not (isinstance(max_len, int) and max_len >= 2):
-            raise HarnessError(f"scorer.max_seq_len must be an int >= 2 or None, got {max_len!r}")
-        return {"max_seq_len": max_len, "device": str(self.device)}
-
-    def buffers(self, msg: dict) -> dict:
-        folder, v = Path(msg["dir"]), msg["vocab_size"]
-        self.inputs = [np.load(folder / f"inputs{s}.npy", mmap_mode="r") for s in range(msg["slots"])]
-        self.outputs = [np.load(folder / f"logits{s}.npy", mmap_mode="r+") for s in range(msg["slots"])]
-        self.vocab = v
-        return {}
-
-    def forward(self, msg: dict) -> dict:
-        import torch
-        slot, n, length = msg["slot"], msg["rows"], msg["length"]
-        x = torch.from_numpy(np.array(self.inputs[slot][:n, :length], dtype=np.int64)).to(self.device)  # a private copy
-        with torch.no_grad():
-            out = self.model(x)
-        self.outputs[slot][:n, :length] = logits_array(out, n, length, self.vocab)
-        return {}
-
-    def score(self, msg: dict, payload: bytes) -> tuple[dict, bytes]:
-        import torch
-        lengths = msg["lengths"]
-        flat = np.frombuffer(payload, dtype=np.int32)
-        cuts = np.cumsum(lengths)[:-1]
-        sequences = [s.tolist() for s in np.split(flat, cuts)]
-        out = self.scorer.score(sequences)
-        if len(out) != len(sequences):
-            raise HarnessError(f"score() returned {len(out)} results for {len(sequences)} sequences")
-        losses, greedy = [], []
-        for seq, (loss, pred) in zip(sequences, out):
-            loss, pred = torch.as_tensor(loss).detach().cpu(), torch.as_tensor(pred).detach().cpu()
-            if loss.shape != (len(seq) - 1,) or pred.shape != (len(seq) - 1,):
-                raise HarnessError(f"score() must return {len(seq) - 1} losses and predictions for a sequence of "
-                                   f"{len(seq)} tokens, got shapes {tuple(loss.shape)} and {tuple(pred.shape)}")
-            losses.append(loss.to(torch.float32).numpy())
-            greedy.append(pred.to(torch.int32).numpy())
-        return {}, np.concatenate(losses).tobytes() + np.concatenate(greedy).tobytes()
-
-    def serve(self) -> None:
-        while True:
-            try:
-                msg, payload = _recv(self.sock)
-            except ConnectionError:
-                return
-            cmd = msg.get("cmd")
-            if cmd == "exit":
-                return
-            reply, data = {}, b""
-            try:
-                if cmd == "load":
-                    reply = self.load(msg)
-                elif cmd == "buffers":
-                    reply = self.buffers(msg)
-                elif cmd == "forward":
-                    reply = self.forward(msg)
-                elif cmd == "score":
-                    reply, data = self.score(msg, payload)
-                else:
-                    reply = {"error": f"unknown command {cmd!r}"}
-            except EvalRefused as e:
-                reply, data = {"refused": str(e)}, b""
-            except HarnessError as e:
-                reply, data = {"error": str(e)}, b""
-            except Exception as e:  # the participant's code failed: report it, with where
-                import traceback
-                where = traceback.format_exc(limit=-3)
-                reply, data = {"error": f"{cmd} failed: {type(e).__name__}: {e}\n{where}"}, b""
-            _send(self.sock, reply, data)
-
-
-def main() -> int:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    sys.path.insert(0, str(REPO_DIR))  # `import prepare` finds the kit's harness (unless the participant's folder has one)
-    _Child(sock).serve()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

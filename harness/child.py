@@ -1,0 +1,239 @@
+"""The worker process: `python -m harness.child FD`, started by harness/worker.py. Everything here
+runs beside participant code, so nothing here is trusted by the harness once that code is loaded.
+
+The order is what makes the sandbox hold. The harness's requests arrive in this order:
+
+    hello     report sys.path (the harness turns it into read rules)
+    sandbox   apply the OS sandbox (harness/sandbox.py): from here on, this process and all it
+              starts can read only what the rules name and write only the private folder
+    load      import train.py (load_for_eval) or inference.py (load_scorer) from the harness's
+              private copy, and load the checkpoint copy
+    buffers   map the sealed shared-memory buffers the logits go into (model mode)
+    forward   model(rows) -> logits into a buffer          (model mode; repeated)
+    score     scorer.score(sequences) -> losses, greedy     (scorer mode; repeated)
+
+Until `load`, only the interpreter, numpy, torch and this module have run."""
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from harness import protocol, sandbox
+from harness.common import EvalRefused, HarnessError
+
+LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what model(inputs) may return
+
+
+def import_participant_module(path, module_name: str):
+    """Import a participant file by path without running its main(). Its folder goes first on
+    sys.path, so `import kernels` and `from train import ...` find the participant's files."""
+    path = Path(path)
+    if not path.is_file():
+        raise HarnessError(f"{path}: no such file")
+    parent = str(path.resolve().parent)
+    if parent in sys.path:
+        sys.path.remove(parent)
+    sys.path.insert(0, parent)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise HarnessError(f"importing {path.name} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def call_participant_loader(path, module_name: str, hook_name: str, checkpoint, device, why: str):
+    """`hook_name(checkpoint, device)` from the participant file at path, with clear errors for a
+    missing hook and a checkpoint the hook cannot load."""
+    import torch
+    module = import_participant_module(path, module_name)
+    hook = getattr(module, hook_name, None)
+    if not callable(hook):
+        raise HarnessError(f"{Path(path).name} defines no {hook_name}(checkpoint_path, device); {why}")
+    try:
+        return hook(str(checkpoint), torch.device(device))
+    except Exception as e:
+        raise HarnessError(f"{hook_name} could not load {Path(checkpoint).name}: {type(e).__name__}: {e}") from e
+
+
+def load_participant_model(train_py, checkpoint, device):
+    """train_py's load_for_eval(checkpoint, device), checked against the load contract."""
+    import torch
+    model = call_participant_loader(train_py, "participant_train", "load_for_eval", checkpoint, device,
+                                    "the scorer loads the model through it (see the README, 'The metric and the "
+                                    "load contract')")
+    if not isinstance(model, torch.nn.Module):
+        raise HarnessError(f"load_for_eval returned {type(model).__name__}, expected a torch.nn.Module")
+    if model.training:
+        raise HarnessError("load_for_eval returned a model in training mode; the contract asks for model.eval()")
+    hooked = [name or "<root>" for name, m in model.named_modules()
+              if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:
+        raise HarnessError(f"load_for_eval returned a model with forward hooks on {hooked[:5]}; the contract "
+                           "asks for a pure forward without hooks")
+    return model
+
+
+def logits_array(out, batch: int, seq_len: int, vocab: int) -> np.ndarray:
+    """model(inputs)'s output as float32 [batch, seq_len, vocab], or EvalRefused: it must be
+    exactly a plain torch.Tensor (no subclass) of a floating dtype and shape [batch, seq_len, V >= vocab]."""
+    import torch
+    if type(out) is not torch.Tensor:
+        raise EvalRefused(f"model(inputs) must return a plain torch.Tensor of logits, got {type(out).__module__}."
+                          f"{type(out).__qualname__}")
+    if str(out.dtype).replace("torch.", "") not in LOGIT_DTYPES:
+        raise EvalRefused(f"model(inputs) returned logits of dtype {out.dtype}; expected one of {LOGIT_DTYPES}")
+    if out.dim() != 3 or out.shape[0] != batch or out.shape[1] != seq_len or out.shape[2] < vocab:
+        raise EvalRefused(f"model(inputs) returned shape {tuple(out.shape)} for inputs {(batch, seq_len)}; "
+                          f"expected logits [{batch}, {seq_len}, V] with V >= {vocab}")
+    return out.detach()[..., :vocab].to("cpu", torch.float32).numpy()
+
+
+def resolve_device(name: str, local_rank: int):
+    """The worker's device: "auto" is the fastest present (neuron, cuda, cpu), chosen here, so the
+    harness process itself never touches an accelerator; CUDA takes the rank's own GPU."""
+    import torch
+    from harness.common import detect_device_type
+    kind = detect_device_type() if name == "auto" else name
+    return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
+
+
+class Child:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.model = self.scorer = self.device = None
+        self.outputs: list[np.ndarray] = []
+
+    def hello(self, msg: dict) -> dict:
+        return {"sys_path": [p for p in sys.path if p]}
+
+    def sandbox(self, msg: dict) -> dict:
+        """Apply the sandbox the harness asked for; any failure is an error (the harness then stops:
+        participant code never runs in a half-applied sandbox)."""
+        if msg.get("off"):
+            return {"applied": []}
+        applied = []
+        sandbox.set_no_new_privs()
+        sandbox.drop_capabilities()
+        applied.append("capabilities")
+        if msg["abi"] > 0:
+            sandbox.apply_landlock(msg["rules"], msg["abi"])
+            applied.append(f"landlock-{msg['abi']}")
+        if msg["seccomp"]:
+            sandbox.apply_seccomp(msg["seccomp"])
+            applied.append("seccomp")
+        return {"applied": applied}
+
+    def load(self, msg: dict) -> dict:
+        import torch
+        self.device = resolve_device(msg["device"], int(msg["local_rank"]))
+        if self.device.type == "neuron" and hasattr(torch, "neuron") and hasattr(torch.neuron, "set_device"):
+            torch.neuron.set_device(int(msg["local_rank"]))
+        if msg["mode"] == "model":
+            self.model = load_participant_model(msg["file"], msg["checkpoint"], self.device)
+            dtype = getattr(self.model, "compute_dtype", None)
+            return {"compute_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+                    "device": str(self.device)}
+        self.scorer = call_participant_loader(msg["file"], "participant_inference", "load_scorer", msg["checkpoint"],
+                                              self.device, "the CORE scorer calls it (see the README, 'Phase 2: CORE')")
+        if not callable(getattr(self.scorer, "score", None)):
+            raise HarnessError(f"load_scorer returned {type(self.scorer).__name__}, which has no score(sequences) method")
+        max_len = getattr(self.scorer, "max_seq_len", None)
+        if max_len is not None and not (isinstance(max_len, int) and max_len >= 2):
+            raise HarnessError(f"scorer.max_seq_len must be an int >= 2 or None, got {max_len!r}")
+        return {"max_seq_len": max_len, "device": str(self.device)}
+
+    def buffers(self, msg: dict, fds: list[int]) -> dict:
+        shape = tuple(msg["shape"])
+        self.outputs = []
+        for fd in fds:
+            mapped = mmap.mmap(fd, int(np.prod(shape)) * 4, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.close(fd)
+            self.outputs.append(np.ndarray(shape, dtype=np.float32, buffer=mapped))
+        self.vocab = shape[2]
+        return {}
+
+    def forward(self, msg: dict, payload: bytes) -> dict:
+        import torch
+        slot, n, length = msg["slot"], msg["rows"], msg["length"]
+        x = torch.from_numpy(np.frombuffer(payload, dtype=np.int32).reshape(n, length).astype(np.int64))
+        with torch.no_grad():
+            out = self.model(x.to(self.device))
+        self.outputs[slot][:n, :length] = logits_array(out, n, length, self.vocab)
+        return {}
+
+    def score(self, msg: dict, payload: bytes) -> tuple[dict, bytes]:
+        import torch
+        lengths = msg["lengths"]
+        flat = np.frombuffer(payload, dtype=np.int32)
+        cuts = np.cumsum(lengths)[:-1]
+        sequences = [s.tolist() for s in np.split(flat, cuts)]
+        out = self.scorer.score(sequences)
+        if len(out) != len(sequences):
+            raise HarnessError(f"score() returned {len(out)} results for {len(sequences)} sequences")
+        losses, greedy = [], []
+        for seq, (loss, pred) in zip(sequences, out):
+            loss, pred = torch.as_tensor(loss).detach().cpu(), torch.as_tensor(pred).detach().cpu()
+            if loss.shape != (len(seq) - 1,) or pred.shape != (len(seq) - 1,):
+                raise HarnessError(f"score() must return {len(seq) - 1} losses and predictions for a sequence of "
+                                   f"{len(seq)} tokens, got shapes {tuple(loss.shape)} and {tuple(pred.shape)}")
+            losses.append(loss.to(torch.float32).numpy())
+            greedy.append(pred.to(torch.int32).numpy())
+        return {}, np.concatenate(losses).tobytes() + np.concatenate(greedy).tobytes()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg, payload, fds = protocol.recv_request(self.sock)
+            except ConnectionError:
+                return
+            cmd = msg.get("cmd")
+            if cmd == "exit":
+                return
+            reply, data = {}, b""
+            try:
+                if cmd == "hello":
+                    reply = self.hello(msg)
+                elif cmd == "sandbox":
+                    reply = self.sandbox(msg)
+                elif cmd == "load":
+                    reply = self.load(msg)
+                elif cmd == "buffers":
+                    reply = self.buffers(msg, fds)
+                elif cmd == "forward":
+                    reply = self.forward(msg, payload)
+                elif cmd == "score":
+                    reply, data = self.score(msg, payload)
+                else:
+                    reply = {"error": f"unknown command {cmd!r}"}
+            except EvalRefused as e:
+                reply, data = {"refused": str(e)}, b""
+            except HarnessError as e:
+                reply, data = {"error": str(e)}, b""
+            except Exception as e:  # the participant's code failed: report it, with where
+                import traceback
+                where = traceback.format_exc(limit=-3)
+                reply, data = {"error": f"{cmd} failed: {type(e).__name__}: {e}\n{where}"}, b""
+            protocol.send(self.sock, reply, data)
+
+
+def main() -> int:
+    sandbox.die_with_parent(signal.SIGKILL)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    import torch  # noqa: F401  (trusted code, before the sandbox: the import needs nothing later)
+    Child(sock).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

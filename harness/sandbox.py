@@ -1,0 +1,343 @@
+"""The worker's sandbox: what participant code may touch once the worker has applied it.
+
+Applied inside the worker process (harness/worker.py) before any participant code is imported,
+and kept by everything the worker starts (no_new_privs; a Landlock domain and a seccomp filter
+are inherited across fork and exec and cannot be lifted):
+
+- **Linux Landlock** (an unprivileged LSM; its ABI version decides what it can restrict):
+  the file system is readable only under the roots the harness names (the interpreter and its
+  packages, the system's libraries and compiler, the kit's harness code, the private copy of the
+  participant's files) and writable only in the worker's private folder; device nodes of the
+  accelerators are opened read-write. TCP bind and connect are refused (ABI 4), and so are
+  signals to, and abstract unix sockets of, processes outside the sandbox (ABI 6). Landlock also
+  stops ptrace of any process outside the domain, which closes /proc/<pid>/mem, /fd and /environ of
+  the harness.
+- **A seccomp filter** for what Landlock does not cover and could carry information from one
+  worker to the next: System V IPC and POSIX message queues (they outlive their process), kernel
+  keyrings, extended attributes, and metadata changes (chmod, chown, utime) of files the worker
+  can read; and new unix or netlink sockets (a unix socket path, e.g. a container daemon's, is not
+  covered by Landlock). Metadata calls report success and change nothing; xattr writes report
+  "not supported"; the rest fail with EPERM.
+- **No capabilities.** A worker started as root drops every capability (and the bounding set),
+  so it cannot mount, set the hostname, trace, or override file permissions.
+
+The harness decides the rules (`worker_rules`) and checks, before starting a worker, that no
+file it scores lies under a readable root (`exposed_paths`). `landlock_abi()` tells whether this
+kernel has Landlock; without it (or below LANDLOCK_MIN_ABI) a worker still runs, with whatever
+the kernel offers, and the result says it is not official and why.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import site
+import struct
+import sys
+from pathlib import Path
+
+# ---------------------------------------------------------------------------------------------
+# Landlock (include/uapi/linux/landlock.h)
+# ---------------------------------------------------------------------------------------------
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # every arch
+LANDLOCK_CREATE_RULESET_VERSION = 1
+LANDLOCK_RULE_PATH_BENEATH = 1
+LANDLOCK_MIN_ABI = 6  # the first with TCP rules (4) and signal / abstract-socket scoping (6)
+
+FS_EXECUTE = 1 << 0
+FS_WRITE_FILE = 1 << 1
+FS_READ_FILE = 1 << 2
+FS_READ_DIR = 1 << 3
+FS_REMOVE_DIR = 1 << 4
+FS_REMOVE_FILE = 1 << 5
+FS_MAKE_CHAR = 1 << 6
+FS_MAKE_DIR = 1 << 7
+FS_MAKE_REG = 1 << 8
+FS_MAKE_SOCK = 1 << 9
+FS_MAKE_FIFO = 1 << 10
+FS_MAKE_BLOCK = 1 << 11
+FS_MAKE_SYM = 1 << 12
+FS_REFER = 1 << 13  # ABI 2
+FS_TRUNCATE = 1 << 14  # ABI 3
+FS_IOCTL_DEV = 1 << 15  # ABI 5
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+
+FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}
+FILE_ONLY = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # rights a rule on a file may hold
+
+READ = FS_READ_FILE | FS_READ_DIR
+READ_EXECUTE = READ | FS_EXECUTE
+DEVICE = FS_READ_FILE | FS_WRITE_FILE | FS_IOCTL_DEV | FS_TRUNCATE
+WRITE_ALL = (1 << 16) - 1  # everything, inside the private folder
+
+# Read (and execute) roots besides the interpreter's own: shared libraries, the C compiler that
+# torch.compile calls, certificates and locale data, /sys (CPU topology, PCI devices), /proc (see
+# the module docstring: ptrace checks guard other processes' sensitive files).
+SYSTEM_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/sys", "/proc")
+DEVICE_GLOBS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/dri/*", "/dev/neuron*")  # accelerators
+PLAIN_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.prctl.restype = ctypes.c_int
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+def _syscall(number: int, *args) -> int:
+    result = _libc.syscall(ctypes.c_long(number), *args)
+    if result < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return result
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 when it has none (or it is disabled)."""
+    if sys.platform != "linux":
+        return 0
+    try:
+        return _syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                        ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    except OSError:
+        return 0
+
+
+def sandbox_shortfall(abi: int | None = None) -> str:
+    """Why a sandboxed worker would not meet the official bar on this machine ('' if it would)."""
+    abi = landlock_abi() if abi is None else abi
+    if abi == 0:
+        return "this kernel has no Landlock (Linux 5.13+ with landlock in the lsm= list), so the worker is not sandboxed"
+    if abi < LANDLOCK_MIN_ABI:
+        return (f"this kernel's Landlock ABI is {abi}; the worker's sandbox needs {LANDLOCK_MIN_ABI} (Linux 6.12+) "
+                "to refuse TCP and to scope signals and abstract unix sockets")
+    if seccomp_arch() is None:
+        return f"no seccomp filter for this machine ({platform.machine()})"
+    return ""
+
+
+def _access_fs(abi: int) -> int:
+    return FS_BY_ABI[max(k for k in FS_BY_ABI if k <= abi)]
+
+
+def _ruleset(abi: int) -> int:
+    fields = [_access_fs(abi)]
+    if abi >= 4:
+        fields.append(NET_BIND_TCP | NET_CONNECT_TCP)
+    if abi >= 6:
+        fields.append(SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL)
+    attr = struct.pack(f"<{len(fields)}Q", *fields)
+    return _syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+
+
+def _add_path_rule(ruleset: int, path: str, access: int, abi: int) -> bool:
+    """Allow `access` beneath path; False when the path does not exist."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not os.path.isdir(path):
+            access &= FILE_ONLY
+        access &= _access_fs(abi)
+        attr = struct.pack("<Qi", access, fd)  # struct landlock_path_beneath_attr is packed: 12 bytes
+        _syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                 ctypes.c_char_p(attr), ctypes.c_uint32(0))
+    finally:
+        os.close(fd)
+    return True
+
+
+ACCESS = {"read": READ, "execute": READ_EXECUTE, "list": FS_READ_DIR, "device": DEVICE, "write": WRITE_ALL}
+
+
+def apply_landlock(rules: list, abi: int) -> None:
+    """Restrict this process (and all it starts) to rules: [(path, kind)], kind one of ACCESS's
+    names. Paths that do not exist are skipped."""
+    ruleset = _ruleset(abi)
+    try:
+        for path, kind in rules:
+            _add_path_rule(ruleset, path, ACCESS[kind], abi)
+        _syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
+    finally:
+        os.close(ruleset)
+
+
+# ---------------------------------------------------------------------------------------------
+# seccomp (include/uapi/linux/seccomp.h, filter.h, audit.h)
+# ---------------------------------------------------------------------------------------------
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 4, 36, 1
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+AF_UNIX, AF_NETLINK, AF_PACKET = 1, 16, 17
+
+# Syscall numbers by machine: (audit arch, {name: number}). x86_64 from arch/x86/entry/syscalls/
+# syscall_64.tbl; aarch64 from the generic table (include/uapi/asm-generic/unistd.h).
+SYSCALLS = {
+    "x86_64": (0xC000003E, {
+        "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66, "shmdt": 67,
+        "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semtimedop": 220,
+        "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244,
+        "mq_getsetattr": 245, "add_key": 248, "request_key": 249, "keyctl": 250,
+        "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198,
+        "fremovexattr": 199, "setxattrat": 463, "removexattrat": 466,
+        "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260, "fchmodat": 268,
+        "fchmodat2": 452, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
+        "socket": 41}),
+    "aarch64": (0xC00000B7, {
+        "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
+        "mq_getsetattr": 185, "msgget": 186, "msgctl": 187, "msgrcv": 188, "msgsnd": 189, "semget": 190,
+        "semctl": 191, "semtimedop": 192, "semop": 193, "shmget": 194, "shmctl": 195, "shmat": 196, "shmdt": 197,
+        "add_key": 217, "request_key": 218, "keyctl": 219,
+        "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16,
+        "setxattrat": 463, "removexattrat": 466,
+        "fchmod": 52, "fchmodat": 53, "fchownat": 54, "fchown": 55, "utimensat": 88, "fchmodat2": 452,
+        "socket": 198}),
+}
+DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
+          "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
+          "mq_getsetattr", "add_key", "request_key", "keyctl")
+NOT_SUPPORTED = ("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
+                 "removexattrat")
+PRETEND_DONE = ("chmod", "fchmod", "chown", "fchown", "lchown", "fchownat", "fchmodat", "fchmodat2", "utime",
+                "utimes", "futimesat", "utimensat")
+DENIED_SOCKET_FAMILIES = (AF_UNIX, AF_NETLINK, AF_PACKET)
+
+
+def seccomp_arch() -> str | None:
+    machine = platform.machine().lower()
+    return {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(machine)
+
+
+def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("<HBBI", code, jt, jf, k & 0xFFFFFFFF)
+
+
+def seccomp_program(arch: str) -> bytes:
+    """A classic-BPF filter: other architectures' calls (x86's 32-bit and x32 ABIs) fail, the
+    listed calls get their answer, socket() of the listed families fails, everything else runs."""
+    audit_arch, numbers = SYSCALLS[arch]
+    eperm, enotsup = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.EOPNOTSUPP
+    answers = [(numbers[n], eperm) for n in DENIED if n in numbers]
+    answers += [(numbers[n], enotsup) for n in NOT_SUPPORTED if n in numbers]
+    answers += [(numbers[n], SECCOMP_RET_ERRNO | 0) for n in PRETEND_DONE if n in numbers]
+    prog = [_bpf(BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+            _bpf(BPF_JEQ_K, 1, 0, audit_arch),
+            _bpf(BPF_RET_K, 0, 0, eperm),
+            _bpf(BPF_LD_W_ABS, 0, 0, 0)]  # seccomp_data.nr
+    if arch == "x86_64":
+        prog += [_bpf(BPF_JGE_K, 0, 1, 0x40000000), _bpf(BPF_RET_K, 0, 0, eperm)]  # the x32 ABI
+    for number, answer in answers:
+        prog += [_bpf(BPF_JEQ_K, 0, 1, number), _bpf(BPF_RET_K, 0, 0, answer)]
+    socket_check = [_bpf(BPF_JEQ_K, 0, 1 + 2 * len(DENIED_SOCKET_FAMILIES), numbers["socket"]),
+                    _bpf(BPF_LD_W_ABS, 0, 0, 16)]  # seccomp_data.args[0] (low half): the family
+    for family in DENIED_SOCKET_FAMILIES:
+        socket_check += [_bpf(BPF_JEQ_K, 0, 1, family), _bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.EACCES)]
+    prog += socket_check + [_bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW)]
+    return b"".join(prog)
+
+
+def apply_seccomp(arch: str) -> None:
+    program = seccomp_program(arch)
+    buf = ctypes.create_string_buffer(program, len(program))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise SandboxError(f"seccomp filter refused: {os.strerror(e)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Capabilities and process attributes
+# ---------------------------------------------------------------------------------------------
+
+def _prctl(option: int, arg2: int = 0, arg3: int = 0) -> None:
+    if _libc.prctl(option, ctypes.c_ulong(arg2), ctypes.c_ulong(arg3), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def drop_capabilities() -> None:
+    """Empty the bounding, ambient, effective, permitted and inheritable sets (root included)."""
+    for cap in range(64):
+        try:
+            _prctl(PR_CAPBSET_DROP, cap)
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # past the kernel's last capability
+                break
+            if e.errno != errno.EPERM:  # EPERM: no CAP_SETPCAP, so there is nothing to drop
+                raise
+    try:
+        _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    except OSError:
+        pass
+    header = struct.pack("<Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = bytes(24)  # two cap_user_data_t {effective, permitted, inheritable}, all zero
+    SYS_CAPSET = {"x86_64": 126, "aarch64": 91}[seccomp_arch() or "x86_64"]
+    _syscall(SYS_CAPSET, ctypes.c_char_p(header), ctypes.c_char_p(data))
+
+
+def set_no_new_privs() -> None:
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+
+def make_undumpable() -> None:
+    """This process's /proc files become root's and ptrace-protected (core dumps off)."""
+    _prctl(PR_SET_DUMPABLE, 0)
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process, so it can find and kill them."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(signal_number: int) -> None:
+    _prctl(PR_SET_PDEATHSIG, signal_number)
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness's side: the rules, and what they expose
+# ---------------------------------------------------------------------------------------------
+
+def interpreter_roots() -> list[str]:
+    """The folders the interpreter and its packages live in: prefixes, site-packages and the
+    directories on sys.path (PYTHONPATH included)."""
+    roots = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    roots.update(site.getsitepackages())
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        roots.add(site.getusersitepackages())
+    roots.update(p for p in sys.path if p and os.path.isdir(p))
+    return sorted(os.path.realpath(r) for r in roots if os.path.exists(r))
+
+
+def worker_rules(repo_dir: Path, private_dir: Path, submission_dir: Path) -> list:
+    """What a worker may touch, as [(path, kind)]: read and execute the interpreter and the system
+    roots; list the kit's folder (imports scan it) but read only its harness code; read the
+    submission copy; read-write its private folder and the devices."""
+    import glob
+    rules = [(r, "execute") for r in interpreter_roots() + [r for r in SYSTEM_ROOTS if os.path.exists(r)]]
+    rules += [(str(repo_dir), "list"), (str(repo_dir / "harness"), "read"), (str(repo_dir / "prepare.py"), "read"),
+              (str(submission_dir), "read"), (str(private_dir), "write")]
+    devices = [d for pattern in DEVICE_GLOBS for d in sorted(glob.glob(pattern))]
+    rules += [(d, "device") for d in devices + [d for d in PLAIN_DEVICES if os.path.exists(d)]]
+    return rules
+
+
+def exposed_paths(paths, rules: list) -> list[str]:
+    """The paths (files the harness scores) that a worker under rules could read."""
+    readable = [os.path.realpath(p) for p, kind in rules if kind != "list"]
+    exposed = []
+    for path in paths:
+        real = os.path.realpath(path)
+        if any(real == r or real.startswith(r.rstrip("/") + "/") for r in readable):
+            exposed.append(str(path))
+    return exposed
