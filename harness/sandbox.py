@@ -309,13 +309,12 @@ def die_with_parent(signal_number: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def interpreter_roots() -> list[str]:
-    """The folders the interpreter and its packages live in: prefixes, site-packages and the
-    directories on sys.path (PYTHONPATH included)."""
+    """The folders the interpreter and its packages live in: its prefixes and site-packages (the
+    worker's own sys.path is added by the harness from what the worker reports)."""
     roots = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
     roots.update(site.getsitepackages())
     if site.ENABLE_USER_SITE and site.getusersitepackages():
         roots.add(site.getusersitepackages())
-    roots.update(p for p in sys.path if p and os.path.isdir(p))
     return sorted(os.path.realpath(r) for r in roots if os.path.exists(r))
 
 

@@ -69,12 +69,14 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "t
                    "TORCH_NEURONX_NEFF_CACHE_DIR": "neff"}
 
 
+_ESCAPED = {c: f"\\x{c:02x}" for c in [*range(32), 127, *range(0x80, 0xA0)] if c != 10}
+_ESCAPED.update({0x2028: "\\u2028", 0x2029: "\\u2029"})  # line and paragraph separators
+
+
 def quoted(text, limit: int = MAX_MESSAGE_CHARS) -> str:
     """A worker-supplied text made safe to print on stderr: cut to limit, control characters
     escaped, every line after the first indented (it can never pass for a result line)."""
-    text = str(text)[:limit]
-    text = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
-    return text.replace("\n", "\n    | ")
+    return str(text)[:limit].translate(_ESCAPED).replace("\n", "\n    | ")
 
 
 def worker_environment(private_dir: Path, tokenizer_copy: Path | None = None,
@@ -260,7 +262,7 @@ class Worker:
             raw = stream.readline(MAX_LINE_CHARS)
             if not raw:
                 return
-            line = quoted(raw.decode("utf-8", errors="replace").rstrip("\n"), MAX_LINE_CHARS).replace("\n    | ", " ")
+            line = quoted(raw.decode("utf-8", errors="replace").rstrip("\n"), MAX_LINE_CHARS)
             with self._output_lock:
                 self.stderr_tail.append(line)
                 self._forwarded += len(raw)

@@ -15,47 +15,7 @@ import torch
 import prepare
 from core_bundle import make_bundle
 from helpers import REPO, run_prepare
-
-SEQ = 64  # a short context keeps every run fast; it is reported as unofficial, the checks are the same
-TOKENS = SEQ * 160
-
-PARTICIPANT = '''
-import torch
-import torch.nn as nn
-
-from prepare import TOKENIZER_VOCAB_SIZE as V
-
-
-class Model(nn.Module):
-    """A low-rank bigram: logits[t] depend on token t only (honest)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, 16)
-        self.head = nn.Linear(16, V, bias=False)
-
-    def honest(self, idx):
-        return self.head(self.emb(idx))
-
-    def forward(self, idx):
-        return self.honest(idx)
-
-
-def peek(idx, logits, strength=10.0):
-    """Mass on the *next* input token, which position t must not see."""
-    nxt = torch.roll(idx, -1, dims=1)
-    return logits.scatter_add(2, nxt.unsqueeze(-1), torch.full(nxt.unsqueeze(-1).shape, strength))
-
-
-def build(path, device):
-    model = Model()
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
-    return model.to(device).eval().requires_grad_(False)
-
-
-def load_for_eval(path, device):
-    return build(path, device)
-'''
+from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
 
 ATTACKS = {
     # peeks everywhere except the three fixed cut points of the old check
@@ -149,32 +109,12 @@ class Cheat(Model):
 }
 
 
-def participant(tmp_path, name: str, cheat: str | None = None) -> str:
-    """A train.py: the honest bigram, or one whose load_for_eval returns `Cheat`."""
-    text = PARTICIPANT + textwrap.dedent(cheat or "")
-    if cheat:
-        text += "\n\ndef load_for_eval(path, device):\n    model = Cheat()\n" \
-                "    model.load_state_dict(torch.load(path, map_location='cpu', weights_only=True)['state_dict'])\n" \
-                "    return model.to(device).eval().requires_grad_(False)\n"
-    path = tmp_path / f"{name}.py"
-    path.write_text(text)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("ckpt") / "final.pt"
     torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
     return str(path)
-
-
-def evaluate(train_py, checkpoint, dataset, *extra):
-    result = run_prepare(["eval-public", "--train-py", train_py, "--checkpoint", checkpoint, "--device", "cpu",
-                          "--seq-len", str(SEQ), "--max-tokens", str(TOKENS), *extra], {"FRONTIER_DATA_DIR": str(dataset)})
-    lines = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in result.stdout.splitlines()
-                                               if ":" in line and not line.startswith("["))}
-    return result, lines
 
 
 @pytest.fixture(scope="module")
@@ -312,13 +252,9 @@ class Cheat(Model):
 
 # --- CORE ----------------------------------------------------------------------------------------
 
-FORGED_INFERENCE = '''
-import sys
-sys.path.insert(0, {repo!r})
-import inference
+FORGED_TAIL = '''
 
-
-class Forged(inference.Scorer):
+class Forged(Scorer):
     """Claims every continuation token as its greedy prediction: exact match on every LM task."""
 
     def score(self, sequences):
@@ -326,13 +262,18 @@ class Forged(inference.Scorer):
         return [(losses * {loss_scale}, torch.tensor(seq[1:])) for (losses, _), seq in zip(honest, sequences)]
 
 
-import torch
+_honest_load_scorer = load_scorer
 
 
 def load_scorer(path, device):
-    s = inference.load_scorer(path, device)
+    s = _honest_load_scorer(path, device)
     return Forged(s.model, s.device)
 '''
+
+
+def forged_inference(loss_scale: float) -> str:
+    """The kit's inference.py with a forging scorer in place of its own."""
+    return (REPO / "inference.py").read_text() + FORGED_TAIL.format(loss_scale=loss_scale)
 
 
 def core(args, dataset):
@@ -343,7 +284,7 @@ def test_core_forged_greedy_predictions_are_refused(tmp_path, text_dataset, tiny
     bundle = make_bundle(tmp_path)
     for scale, message in ((1.0, "greedy predictions differ"), (0.0, "mean loss")):
         forged = tmp_path / f"forged{int(scale)}.py"
-        forged.write_text(FORGED_INFERENCE.format(repo=str(REPO), loss_scale=scale))
+        forged.write_text(forged_inference(scale))
         result = core(["--inference-py", str(forged), "--checkpoint", str(tiny_checkpoint), "--train-py",
                        str(REPO / "train.py"), "--bundle-dir", str(bundle)], text_dataset)
         assert result.returncode == 1, result.stdout

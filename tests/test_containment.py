@@ -1,0 +1,654 @@
+"""Containment, tried as a hostile participant would: each attack is a train.py (or inference.py)
+driven through the command line, and each is refused with a clear message or gains nothing.
+Where an attack works without the sandbox, a control run with --no-sandbox shows that it does,
+so the test can fail. An honest model gets the same number contained, uncontained and in process."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from core_bundle import make_bundle
+from helpers import REPO, make_text_source, random_documents, run_prepare
+from hostile import SEQ, TOKENS, evaluate, participant
+from harness import sandbox
+
+pytestmark = pytest.mark.skipif(sandbox.sandbox_shortfall() != "", reason=f"no full sandbox on this machine: "
+                                                                         f"{sandbox.sandbox_shortfall()}")
+
+
+def result_lines(stdout: str) -> dict:
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in stdout.splitlines()
+                                              if ":" in line and not line.startswith("["))}
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
+    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def val_shard(text_dataset):
+    return str(next(p for p in sorted(text_dataset.glob("shard_*.parquet"))
+                    if p.name in json.loads((text_dataset / "manifest.json").read_text())["splits"]["public_val"]))
+
+
+def score_shard(train_py, checkpoint, dataset, shard, *extra):
+    """`prepare.py eval --val-shard shard`: the shard's path is on the harness's command line."""
+    return evaluate(train_py, checkpoint, dataset, *extra, command=["eval", "--val-shard", shard])
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory, checkpoint, text_dataset, val_shard):
+    folder = tmp_path_factory.mktemp("honest")
+    result, lines = evaluate(participant(folder, "train"), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr
+    shard_result, shard_lines = score_shard(participant(folder, "train"), checkpoint, text_dataset, val_shard)
+    assert shard_result.returncode == 0, shard_result.stderr
+    return {"public": lines, "shard": shard_lines}
+
+
+def assert_refused(result, lines, message):
+    assert result.returncode == 1, (result.stdout, result.stderr[-3000:])
+    assert message in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr.split("[worker]")[0] and "val_bpb" not in lines
+
+
+# --- 1. reading the data ------------------------------------------------------------------------
+
+READ_THE_DATA = '''
+import glob
+import os
+import sys
+
+import pyarrow.parquet as pq
+
+PARENT = os.getppid()
+
+
+def candidate_shards():
+    """The scored shard's path from the harness's command line, and its data folder from its environment."""
+    found = []
+    argv = open(f"/proc/{PARENT}/cmdline", "rb").read().split(b"\\0")
+    found += [a.decode() for a in argv if a.endswith(b".parquet")]
+    try:
+        env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{PARENT}/environ", "rb").read().split(b"\\0") if b"=" in kv)
+        found += sorted(glob.glob(os.path.join(env.get(b"FRONTIER_DATA_DIR", b"").decode(), "shard_*.parquet")))
+    except OSError as e:
+        print("ENVIRON", type(e).__name__, file=sys.stderr)
+    return found
+
+
+TABLE = {}
+for path in candidate_shards():
+    try:
+        texts = pq.read_table(path).column("text").to_pylist()
+    except Exception as e:
+        print("DATA DENIED", type(e).__name__, file=sys.stderr)
+        continue
+    print("DATA READ", path, file=sys.stderr)
+    from prepare import ensure_tokenizer
+    tok = ensure_tokenizer()
+    for ids in tok.encode(texts, prepend=tok.get_bos_token_id()):
+        for t in range(8, len(ids)):
+            TABLE[tuple(ids[t - 8:t])] = ids[t]
+
+
+class Cheat(Model):
+    """Strictly causal: position t looks up tokens t-7..t in a table of the validation text."""
+
+    def forward(self, idx):
+        logits = self.honest(idx)
+        for b, row in enumerate(idx.tolist()):
+            for t in range(7, len(row)):
+                nxt = TABLE.get(tuple(row[t - 7:t + 1]))
+                if nxt is not None:
+                    logits[b, t, nxt] += 30.0
+        return logits
+'''
+
+
+def test_reading_the_scored_data_gains_nothing(tmp_path, checkpoint, text_dataset, val_shard, honest):
+    cheat = participant(tmp_path, "read_the_data", READ_THE_DATA)
+    control, control_lines = score_shard(cheat, checkpoint, text_dataset, val_shard, "--no-sandbox")
+    assert control.returncode == 0, control.stderr[-3000:]
+    assert "[worker] DATA READ" in control.stderr  # without the sandbox the attack works ...
+    assert float(control_lines["val_bpb"]) < 0.5 * float(honest["shard"]["val_bpb"])
+    assert control_lines["official"].startswith("False") and "--no-sandbox" in control_lines["official"]
+    result, lines = score_shard(cheat, checkpoint, text_dataset, val_shard)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DATA READ" not in result.stderr and "[worker] DATA DENIED PermissionError" in result.stderr
+    assert "[worker] ENVIRON PermissionError" in result.stderr
+    assert lines["val_bpb"] == honest["shard"]["val_bpb"]  # ... and in it, it gains nothing
+
+
+# --- 2, 3. the harness's memory -----------------------------------------------------------------
+
+HARNESS_MEMORY = '''
+import os
+import sys
+
+for mode in ("rb", "r+b"):
+    try:
+        with open(f"/proc/{os.getppid()}/mem", mode) as mem:
+            start = int(open(f"/proc/{os.getppid()}/maps").readline().split("-")[0], 16)
+            mem.seek(start)
+            mem.read(16)
+        print("MEM", mode, "OPEN", file=sys.stderr)
+    except OSError as e:
+        print("MEM", mode, "DENIED", type(e).__name__, file=sys.stderr)
+
+
+class Cheat(Model):
+    pass
+'''
+
+
+def test_the_harness_memory_is_out_of_reach(tmp_path, checkpoint, text_dataset, honest):
+    cheat = participant(tmp_path, "memory", HARNESS_MEMORY)
+    if os.geteuid() == 0:  # root can open another process's memory, unless the sandbox stops it
+        control, _ = evaluate(cheat, checkpoint, text_dataset, "--no-sandbox")
+        assert "[worker] MEM rb OPEN" in control.stderr and "[worker] MEM r+b OPEN" in control.stderr
+    result, lines = evaluate(cheat, checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[worker] MEM rb DENIED PermissionError" in result.stderr
+    assert "[worker] MEM r+b DENIED PermissionError" in result.stderr
+    assert lines["val_bpb"] == honest["public"]["val_bpb"]
+
+
+# --- 4. a daemon that outlives the run ----------------------------------------------------------
+
+DAEMON = '''
+import json
+import os
+import sys
+import time
+
+PARENT = os.getppid()
+argv = open(f"/proc/{PARENT}/cmdline", "rb").read().split(b"\\0")
+REPORT = argv[argv.index(b"--report") + 1].decode()
+child = os.fork()
+if child == 0:
+    os.setsid()
+    if os.fork() == 0:
+        print("DAEMON", os.getpid(), file=sys.stderr, flush=True)
+        try:
+            out = open(f"/proc/{PARENT}/fd/1", "w")
+        except OSError as e:
+            out = None
+            print("DAEMON STDOUT", type(e).__name__, file=sys.stderr, flush=True)
+        while not os.path.exists(REPORT):
+            time.sleep(0.02)
+        time.sleep(0.3)
+        if out is not None:
+            out.write("val_bpb:                 0.010000\\nofficial:                True\\n")
+            out.flush()
+        try:
+            with open(REPORT, "w") as f:
+                json.dump({"val_bpb": 0.01, "official": True}, f)
+        except OSError as e:
+            print("DAEMON REPORT", type(e).__name__, file=sys.stderr, flush=True)
+        time.sleep(60)
+    os._exit(0)
+os.waitpid(child, 0)
+
+
+class Cheat(Model):
+    pass
+'''
+
+
+def test_a_detached_daemon_is_dead_before_the_result(tmp_path, checkpoint, text_dataset, honest):
+    report = tmp_path / "report.json"
+    result, lines = evaluate(participant(tmp_path, "daemon", DAEMON), checkpoint, text_dataset, "--report", str(report))
+    assert result.returncode == 0, result.stderr[-3000:]
+    pid = int(next(line.split()[-1] for line in result.stderr.splitlines() if line.startswith("[worker] DAEMON ")))
+    assert "[worker] DAEMON STDOUT PermissionError" in result.stderr
+    time.sleep(1.0)
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped before the harness printed
+    assert result.stdout.count("val_bpb") == 1 and lines["val_bpb"] == honest["public"]["val_bpb"]
+    assert f'{json.loads(report.read_text())["val_bpb"]:.6f}' == honest["public"]["val_bpb"]
+
+
+# --- 5, 11. values and messages from the worker ------------------------------------------------
+
+FORGED_REPLY = '''
+import struct
+
+import harness.protocol as P
+
+_send = P.send
+
+
+def send(sock, header, payload=b"", fds=()):
+    if "compute_dtype" in header:  # the reply to "load"
+        {forge}
+    return _send(sock, header, payload, fds)
+
+
+P.send = send
+
+
+class Cheat(Model):
+    pass
+'''
+
+FORGERIES = {
+    "dtype": ('header = dict(header, compute_dtype="bfloat16\\n---\\nval_bpb:                 0.010000")',
+              "compute_dtype must be one of"),
+    "device": ('header = dict(header, device="cpu\\n---\\nval_bpb:                 0.010000\\nofficial: True")',
+               "reported a device that is not a device name"),
+    "infinity": ('data = b\'{{"payload": Infinity}}\'\n        return sock.sendall(struct.pack("<I", len(data)) + data)',
+                 "malformed message header"),
+    "huge_header": ('data = b" " * (1 << 20)\n        return sock.sendall(struct.pack("<I", len(data)) + data)',
+                    "message header (at most"),
+    "not_an_object": ('data = b"[1, 2]"\n        return sock.sendall(struct.pack("<I", len(data)) + data)',
+                      "not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_a_forged_reply_is_one_clear_error(tmp_path, checkpoint, text_dataset, forgery):
+    code, message = FORGERIES[forgery]
+    result, lines = evaluate(participant(tmp_path, forgery, FORGED_REPLY.format(forge=code)), checkpoint, text_dataset)
+    assert_refused(result, lines, message)
+    assert "0.010000" not in result.stdout and "Traceback" not in result.stderr
+
+
+# --- 6, 7. the files on disk --------------------------------------------------------------------
+
+SWAP_FILES = '''
+import os
+import sys
+
+argv = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+TRAIN_PY, CHECKPOINT = (argv[argv.index(flag) + 1].decode() for flag in (b"--train-py", b"--checkpoint"))
+
+
+def swap():
+    for what, action in (("TRAIN_PY", lambda: open(TRAIN_PY, "a").write("# not what ran")),
+                         ("CHECKPOINT", lambda: open(CHECKPOINT, "r+b").write(b"not the weights")),
+                         ("FIFO", lambda: (os.mkfifo("fifo"), os.rename("fifo", CHECKPOINT)))):
+        try:
+            action()
+            print("SWAPPED", what, file=sys.stderr)
+        except OSError as e:
+            print("SWAP", what, type(e).__name__, file=sys.stderr)
+
+
+class Cheat(Model):
+    def __init__(self):
+        super().__init__()
+        swap()
+'''
+
+
+def test_files_swapped_after_loading_change_nothing(tmp_path, checkpoint, text_dataset, honest):
+    import shutil
+    ckpt = tmp_path / "final.pt"
+    shutil.copyfile(checkpoint, ckpt)
+    cheat = participant(tmp_path, "swap", SWAP_FILES)
+    before = {"train_py": sha256(cheat), "checkpoint": sha256(ckpt)}
+    t0 = time.time()
+    result, lines = evaluate(cheat, str(ckpt), text_dataset)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for what in ("TRAIN_PY", "CHECKPOINT", "FIFO"):
+        assert f"[worker] SWAP {what} PermissionError" in result.stderr, result.stderr[-2000:]
+    assert lines["train_py_sha256"] == before["train_py"] == sha256(cheat)
+    assert lines["checkpoint_sha256"] == before["checkpoint"] == sha256(ckpt)
+    assert lines["val_bpb"] == honest["public"]["val_bpb"] and time.time() - t0 < 120
+    control, control_lines = evaluate(cheat, str(ckpt), text_dataset, "--no-sandbox")
+    assert control.returncode == 0 and "[worker] SWAPPED TRAIN_PY" in control.stderr  # the files did change ...
+    assert control_lines["train_py_sha256"] == before["train_py"]  # ... but the printed hashes are of what ran
+    assert control_lines["checkpoint_sha256"] == before["checkpoint"]
+
+
+def test_special_files_are_refused_before_anything_runs(tmp_path, checkpoint, text_dataset):
+    fifo = tmp_path / "final.pt"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.py"
+    link.symlink_to(participant(tmp_path, "train"))
+    kit = tmp_path / "kit"
+    (kit / "kernels").mkdir(parents=True)
+    (kit / "train.py").write_text(Path(participant(tmp_path, "train")).read_text())
+    (kit / "kernels" / "leak.py").symlink_to(Path(text_dataset) / "manifest.json")
+    cases = [([participant(tmp_path, "train"), str(fifo)], "is not a regular file"),
+             ([str(link), checkpoint], "is a symbolic link"),
+             ([str(kit / "train.py"), checkpoint], "is a symbolic link")]
+    for (train_py, ckpt), message in cases:
+        t0 = time.time()
+        result, lines = evaluate(train_py, ckpt, text_dataset)
+        assert_refused(result, lines, message)
+        assert time.time() - t0 < 60
+
+
+def test_the_kernels_folder_is_copied_and_hashed(tmp_path, checkpoint, text_dataset, honest):
+    kit = tmp_path / "kit"
+    (kit / "kernels").mkdir(parents=True)
+    (kit / "kernels" / "__init__.py").write_text("SCALE = 1.0\n")
+    (kit / "train.py").write_text(Path(participant(tmp_path, "train")).read_text().replace(
+        "class Model(nn.Module):", "from kernels import SCALE\n\n\nclass Model(nn.Module):"))
+    result, lines = evaluate(str(kit / "train.py"), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(lines["kernels_sha256"]) == 64 and lines["val_bpb"] == honest["public"]["val_bpb"]
+
+
+# --- 8. requests that are never answered --------------------------------------------------------
+
+NEVER_ANSWERS = {
+    "buffers": '''
+import time
+
+import __main__  # the worker runs as `python -m harness.child`
+
+
+__main__.Child.buffers = lambda self, msg, fds: time.sleep(10**6)
+
+
+class Cheat(Model):
+    pass
+''',
+    "forward": '''
+import time
+
+
+class Cheat(Model):
+    def forward(self, idx):
+        time.sleep(10**6)
+''',
+}
+
+
+@pytest.mark.parametrize("where", sorted(NEVER_ANSWERS))
+def test_a_worker_that_never_answers_meets_the_deadline(tmp_path, checkpoint, text_dataset, where):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    t0 = time.time()
+    result, lines = evaluate(participant(tmp_path, where, NEVER_ANSWERS[where]), checkpoint, text_dataset,
+                             "--timeout", "25", env={"TMPDIR": str(scratch)})
+    assert_refused(result, lines, "did not finish within 25s (--timeout)")
+    assert time.time() - t0 < 25 + 30
+    assert list(scratch.iterdir()) == []  # the worker's and the submission's folders are gone
+
+
+# --- 9. the shared logits buffers ---------------------------------------------------------------
+
+SHRINK_THE_BUFFER = '''
+import gc
+import mmap
+import os
+import sys
+
+
+class Cheat(Model):
+    tried = False
+
+    def forward(self, idx):
+        if not Cheat.tried:
+            Cheat.tried = True
+            for m in [o for o in gc.get_objects() if isinstance(o, mmap.mmap)]:
+                try:
+                    m.resize(4096)
+                    print("RESIZED", file=sys.stderr)
+                except OSError as e:
+                    print("RESIZE", type(e).__name__, file=sys.stderr)
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:frontier-logits"):
+                        os.ftruncate(int(name), 0)
+                        print("TRUNCATED", file=sys.stderr)
+                except OSError as e:
+                    print("TRUNCATE", type(e).__name__, file=sys.stderr)
+        return self.honest(idx)
+'''
+
+
+def test_the_logits_buffers_cannot_shrink(tmp_path, checkpoint, text_dataset, honest):
+    result, lines = evaluate(participant(tmp_path, "shrink", SHRINK_THE_BUFFER), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[worker] RESIZE PermissionError" in result.stderr and "[worker] TRUNCATE PermissionError" in result.stderr
+    assert "RESIZED" not in result.stderr and "TRUNCATED" not in result.stderr
+    assert lines["val_bpb"] == honest["public"]["val_bpb"]
+
+
+# --- 10. floods -----------------------------------------------------------------------------------
+
+FLOODS = {
+    "payload": '''
+import struct
+
+import harness.protocol as P
+
+_send = P.send
+
+
+def send(sock, header, payload=b"", fds=()):
+    if "compute_dtype" in header:  # the reply to "load" announces 2 GiB, then sends them
+        data = P.json.dumps({**header, "payload": 2**31}).encode()
+        sock.sendall(struct.pack("<I", len(data)) + data)
+        chunk = bytes(1 << 20)
+        for _ in range(2048):
+            sock.sendall(chunk)
+        return None
+    return _send(sock, header, payload, fds)
+
+
+P.send = send
+
+
+class Cheat(Model):
+    pass
+''',
+    "stderr": '''
+import sys
+
+for _ in range(40):
+    sys.stderr.write("x" * 25_000_000 + "\\n")
+sys.stderr.flush()
+
+
+class Cheat(Model):
+    pass
+''',
+}
+
+
+def peak_rss_run(args, dataset):
+    """prepare.py with args in a process that reports its own peak RSS (MB) on its last stderr line."""
+    code = ("import resource, runpy, sys\nsys.argv = ['prepare.py'] + sys.argv[1:]\ntry:\n"
+            "    runpy.run_path('prepare.py', run_name='__main__')\nfinally:\n"
+            "    print('PEAK_RSS_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr)\n")
+    import subprocess
+    result = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, FRONTIER_DATA_DIR=str(dataset)))
+    return result, int(result.stderr.rsplit("PEAK_RSS_MB", 1)[1].split()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flood", sorted(FLOODS))
+def test_a_flood_leaves_the_harness_memory_alone(tmp_path, checkpoint, text_dataset, honest, flood):
+    args = ["eval-public", "--checkpoint", checkpoint, "--device", "cpu", "--seq-len", str(SEQ), "--max-tokens",
+            str(TOKENS)]
+    _, baseline = peak_rss_run(args + ["--train-py", participant(tmp_path, "train")], text_dataset)
+    result, peak = peak_rss_run(args + ["--train-py", participant(tmp_path, flood, FLOODS[flood])], text_dataset)
+    assert peak < baseline + 150, (peak, baseline)
+    assert len(result.stderr) < 16 << 20
+    if flood == "payload":
+        assert result.returncode == 1 and "announced a payload of '2147483648' bytes" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "MiB of output; the rest is not shown" in result.stderr
+        assert result_lines(result.stdout)["val_bpb"] == honest["public"]["val_bpb"]
+
+
+# --- 12. the data on disk ----------------------------------------------------------------------------
+
+def test_a_replaced_validation_shard_is_refused_and_setup_repairs_it(tmp_path, checkpoint):
+    source = make_text_source(tmp_path / "source", random_documents(300, seed=5))
+    cache = tmp_path / "cache"
+    env = {"FRONTIER_CACHE_DIR": str(cache)}
+    assert run_prepare(["setup", "--source", f"dir:{source}", "--tokenizer", "stdlib"], env).returncode == 0
+    dataset = Path(json.loads((cache / "active.json").read_text())["dataset_dir"])
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    val = dataset / manifest["splits"]["public_val"][0]
+    original = val.read_bytes()
+    train_py = participant(tmp_path, "train")
+    args = ["eval-public", "--train-py", train_py, "--checkpoint", checkpoint, "--device", "cpu", "--seq-len",
+            str(SEQ), "--max-tokens", str(SEQ * 16)]
+    before = run_prepare(args, env)
+    assert before.returncode == 0, before.stderr[-2000:]
+    assert result_lines(before.stdout)["shard_sha256"] == manifest["sha256"][val.name] == sha256(val)
+    pq.write_table(pa.table({"text": random_documents(50, seed=99)}), val)  # other valid parquet
+    refused = run_prepare(args, env)
+    assert refused.returncode == 1 and "but it is pinned as" in refused.stderr and "val_bpb" not in refused.stdout
+    again = run_prepare(["setup", "--source", f"dir:{source}", "--tokenizer", "stdlib"], env)
+    assert again.returncode == 0 and "rebuilding" in again.stdout
+    assert val.read_bytes() == original
+    after = run_prepare(args, env)
+    assert result_lines(after.stdout)["val_bpb"] == result_lines(before.stdout)["val_bpb"]
+
+
+# --- the sandbox itself ------------------------------------------------------------------------------
+
+PROBE = '''
+import ctypes
+import os
+import socket
+import sys
+
+PARENT = os.getppid()
+SECRET, LISTENING = os.environ["PROBE_SECRET"], int(os.environ["PROBE_PORT"])
+KIT_FILE = os.path.join(os.path.dirname(os.path.abspath(__import__("prepare").__file__)),
+                        "harness", "config.py")
+
+
+def attempt(name, action):
+    try:
+        action()
+        print("PROBE", name, "ALLOWED", file=sys.stderr)
+    except OSError as e:
+        print("PROBE", name, "DENIED", type(e).__name__, file=sys.stderr)
+
+
+def libc_call(name, *args):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) == -1:
+        raise OSError(ctypes.get_errno(), name)
+
+
+attempt("read_file", lambda: open(SECRET).read())
+attempt("read_via_proc_root", lambda: open(f"/proc/self/root{SECRET}").read())
+attempt("list_tmp", lambda: os.listdir("/tmp"))
+attempt("write_tmp", lambda: open("/tmp/frontier-probe", "w").write("x"))
+attempt("write_dev_shm", lambda: open("/dev/shm/frontier-probe", "w").write("x"))
+CONTROL = os.environ.get("PROBE_CONTROL") == "1"  # the control run has no sandbox: it must not damage the kit
+if not CONTROL:
+    attempt("write_kit", lambda: open(KIT_FILE, "a").write("x"))
+attempt("parent_environ", lambda: open(f"/proc/{PARENT}/environ", "rb").read())
+attempt("parent_fd", lambda: open(f"/proc/{PARENT}/fd/1", "w"))
+attempt("parent_cwd", lambda: os.listdir(f"/proc/{PARENT}/cwd"))
+attempt("tcp_connect", lambda: socket.create_connection(("127.0.0.1", LISTENING), timeout=5))
+attempt("tcp_bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
+attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX))
+attempt("netlink_socket", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
+attempt("signal_parent", lambda: os.kill(PARENT, 0))
+attempt("sysv_shm", lambda: libc_call("shmget", 4242, 4096, 0o1666))
+attempt("sysv_msg", lambda: libc_call("msgget", 4242, 0o1666))
+attempt("posix_mq", lambda: libc_call("mq_open", b"/frontier-probe", os.O_CREAT | os.O_RDWR, 0o666, None))
+attempt("keyring", lambda: libc_call("syscall", 248 if os.uname().machine == "x86_64" else 217, b"user", b"k", b"v", 1,
+                                     -4))
+attempt("xattr", lambda: os.setxattr("tokenizer.json", "user.frontier", b"1"))
+attempt("hostname", lambda: socket.sethostname("frontier-probe"))
+if not CONTROL:
+    before = os.stat(KIT_FILE)
+    os.utime(KIT_FILE, (1, 1))
+    os.chmod(KIT_FILE, 0o777)
+    after = os.stat(KIT_FILE)
+    print("PROBE metadata", "UNCHANGED" if (before.st_mtime_ns, before.st_mode) == (after.st_mtime_ns, after.st_mode)
+          else "CHANGED", file=sys.stderr)
+attempt("write_private", lambda: open("own.txt", "w").write("x"))
+
+
+class Cheat(Model):
+    pass
+'''
+DENIED = ("read_file", "read_via_proc_root", "list_tmp", "write_tmp", "write_dev_shm", "write_kit", "parent_environ",
+          "parent_fd", "parent_cwd", "tcp_connect", "tcp_bind", "unix_socket", "netlink_socket", "signal_parent",
+          "sysv_shm", "sysv_msg", "posix_mq", "keyring", "xattr", "hostname")
+
+
+def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest):
+    import socket
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the private shard")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    env = {"PROBE_SECRET": str(secret), "PROBE_PORT": str(listener.getsockname()[1])}
+    try:
+        result, lines = evaluate(participant(tmp_path, "probe", PROBE), checkpoint, text_dataset, env=env)
+        control, _ = evaluate(participant(tmp_path, "probe", PROBE), checkpoint, text_dataset, "--no-sandbox",
+                              env={**env, "PROBE_CONTROL": "1"})
+    finally:
+        listener.close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    probes = dict(line.split()[2:4] for line in result.stderr.splitlines() if line.startswith("[worker] PROBE "))
+    assert {k: probes.get(k) for k in DENIED} == {k: "DENIED" for k in DENIED}, probes
+    assert probes["metadata"] == "UNCHANGED" and probes["write_private"] == "ALLOWED"
+    assert lines["val_bpb"] == honest["public"]["val_bpb"]
+    assert lines["sandbox"].startswith("capabilities + landlock-") and "seccomp" in lines["sandbox"]
+    unsandboxed = dict(line.split()[2:4] for line in control.stderr.splitlines() if line.startswith("[worker] PROBE "))
+    assert unsandboxed["read_file"] == unsandboxed["tcp_connect"] == unsandboxed["write_tmp"] == "ALLOWED"
+
+
+def test_an_honest_model_gets_the_same_number_with_and_without_the_sandbox(tmp_path, checkpoint, text_dataset, honest):
+    result, lines = evaluate(participant(tmp_path, "train"), checkpoint, text_dataset, "--no-sandbox")
+    assert result.returncode == 0
+    assert lines["val_bpb"] == honest["public"]["val_bpb"] and lines["sandbox"].startswith("none")
+    assert "the worker's sandbox is off (--no-sandbox)" in lines["official"]
+
+
+def test_without_landlock_the_result_is_not_official(monkeypatch):
+    from harness import worker
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
+    abi, _, why = worker.sandbox_plan(True)
+    assert abi == 0 and "no Landlock" in why
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: 3)
+    assert "Landlock ABI is 3" in worker.sandbox_plan(True)[2]
+
+
+# --- CORE ------------------------------------------------------------------------------------------
+
+def test_core_verification_that_never_answers_meets_the_deadline(tmp_path, text_dataset, checkpoint):
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    stall = ("import time\n\n\nclass Cheat(Model):\n    def forward(self, idx):\n"
+             "        if __name__ == 'participant_train':  # only in the verification worker\n"
+             "            time.sleep(10**6)\n        return self.honest(idx)\n")
+    (kit / "train.py").write_text(Path(participant(tmp_path, "stall", stall)).read_text())
+    (kit / "inference.py").write_text((REPO / "inference.py").read_text().replace(
+        "self.max_seq_len = model.cos.shape[1]", "self.max_seq_len = None"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    t0 = time.time()
+    result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint", checkpoint,
+                          "--bundle-dir", str(make_bundle(tmp_path)), "--timeout", "60"],
+                         {"FRONTIER_DATA_DIR": str(text_dataset), "TMPDIR": str(scratch)})
+    assert result.returncode == 1, result.stdout
+    assert "CORE did not finish within 60s" in result.stderr and "core:" not in result.stdout
+    assert time.time() - t0 < 60 + 30 and list(scratch.iterdir()) == []
