@@ -1,11 +1,14 @@
-"""What isolation costs: the official evaluation (train.py's model in a worker process, logits
-through shared memory) against evaluate_bpb on the same model in this process, same rows, same
-checks, measured in the same run, alternating, so a shared machine's noise hits both.
+"""What containment costs: the official evaluation (train.py's model in a sandboxed worker process,
+logits through sealed shared memory) against the same worker without its sandbox and against
+evaluate_bpb on the same model in this process: same rows, same checks, measured in the same run,
+in rotating order, so a shared machine's noise hits all three.
 
     python benchmarks/eval_isolation.py [--checkpoint out/final.pt] [--max-tokens 262144] [--rounds 2]
 
 Without a checkpoint, a freshly initialised CPU-preset model is saved and used (speed does not
-depend on the weights). Both paths use the active dataset's public_val and the official context."""
+depend on the weights). All paths use the active dataset's public_val and the official context.
+Printed: the scoring time of each (best of the rounds; model load excluded), the worker's start
+(interpreter and imports), the sandbox's set-up on its own, and the copy of the submission."""
 import argparse
 import os
 import sys
@@ -18,9 +21,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import prepare  # noqa: E402
 import train as T  # noqa: E402
 from harness.metric import evaluate_checkpoint  # noqa: E402
+from harness.submission import copy_submission  # noqa: E402
 from random_model import save_random_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+MODES = ("in_process", "worker", "contained")
 
 
 def main():
@@ -34,19 +39,25 @@ def main():
     checkpoint = args.checkpoint or save_random_checkpoint("cpu")
     tokenizer = prepare.ensure_tokenizer()
     seq = prepare.EVAL_SEQ_LEN
-    times = {"in_process": [], "isolated": [], "isolated_total": []}
+    times = {k: [] for k in (*MODES, "total", "start", "sandbox", "copy")}
     numbers = {}
     for r in range(args.rounds):
-        for mode in (("in_process", "isolated") if r % 2 == 0 else ("isolated", "in_process")):
+        for mode in MODES[r % 3:] + MODES[:r % 3]:
             t0 = time.time()
             if mode == "in_process":
                 model = T.load_for_eval(checkpoint, torch.device(args.device))
                 result = prepare.evaluate_bpb(model, tokenizer, args.batch_size, seq, args.device,
                                               max_tokens=args.max_tokens)
             else:
-                result = evaluate_checkpoint(REPO / "train.py", checkpoint, tokenizer, args.batch_size, seq,
-                                             args.device, max_tokens=args.max_tokens)
-                times["isolated_total"].append(time.time() - t0)
+                with copy_submission(REPO / "train.py", checkpoint) as submission:
+                    copied = time.time() - t0
+                    result = evaluate_checkpoint(submission, tokenizer, args.batch_size, seq, args.device,
+                                                 max_tokens=args.max_tokens, use_sandbox=mode == "contained")
+                if mode == "contained":
+                    times["total"].append(time.time() - t0)
+                    times["start"].append(result["worker_start_seconds"])
+                    times["sandbox"].append(result["sandbox_seconds"])
+                    times["copy"].append(copied)
             times[mode].append(result["eval_seconds"])
             numbers[mode] = result["val_bpb"]
             print(f"round {r} {mode:<10}: eval {result['eval_seconds']:6.1f}s, wall {time.time() - t0:6.1f}s, "
@@ -55,11 +66,16 @@ def main():
     print("---")
     print(f"checkpoint:              {checkpoint}")
     print(f"tokens:                  {args.max_tokens}")
-    print(f"same_number:             {numbers['in_process'] == numbers['isolated']}")
+    print(f"same_number:             {len(set(numbers.values())) == 1}")
     print(f"in_process_seconds:      {best['in_process']:.1f}  (best of {args.rounds})")
-    print(f"isolated_seconds:        {best['isolated']:.1f}  (best of {args.rounds}; model load excluded)")
-    print(f"isolated_total_seconds:  {best['isolated_total']:.1f}  (worker start and model load included)")
-    print(f"isolation_overhead:      {100 * (best['isolated'] / best['in_process'] - 1):+.1f} %")
+    print(f"worker_seconds:          {best['worker']:.1f}  (a worker without its sandbox; model load excluded)")
+    print(f"contained_seconds:       {best['contained']:.1f}  (the official path; model load excluded)")
+    print(f"contained_total_seconds: {best['total']:.1f}  (copy, worker start, sandbox and model load included)")
+    print(f"worker_start_seconds:    {best['start']:.2f}  (interpreter, numpy and torch imports)")
+    print(f"sandbox_setup_seconds:   {best['sandbox']:.4f}  (the rules and applying them)")
+    print(f"copy_seconds:            {best['copy']:.2f}  (train.py, kernels/ and the checkpoint, hashed)")
+    print(f"worker_overhead:         {100 * (best['worker'] / best['in_process'] - 1):+.1f} %")
+    print(f"contained_overhead:      {100 * (best['contained'] / best['in_process'] - 1):+.1f} %")
 
 
 if __name__ == "__main__":

@@ -554,27 +554,26 @@ def libc_call(name, *args):
 attempt("read_file", lambda: open(SECRET).read())
 attempt("read_via_proc_root", lambda: open(f"/proc/self/root{SECRET}").read())
 attempt("list_tmp", lambda: os.listdir("/tmp"))
-attempt("write_tmp", lambda: open("/tmp/frontier-probe", "w").write("x"))
-attempt("write_dev_shm", lambda: open("/dev/shm/frontier-probe", "w").write("x"))
-CONTROL = os.environ.get("PROBE_CONTROL") == "1"  # the control run has no sandbox: it must not damage the kit
-if not CONTROL:
-    attempt("write_kit", lambda: open(KIT_FILE, "a").write("x"))
 attempt("parent_environ", lambda: open(f"/proc/{PARENT}/environ", "rb").read())
-attempt("parent_fd", lambda: open(f"/proc/{PARENT}/fd/1", "w"))
-attempt("parent_cwd", lambda: os.listdir(f"/proc/{PARENT}/cwd"))
 attempt("tcp_connect", lambda: socket.create_connection(("127.0.0.1", LISTENING), timeout=5))
-attempt("tcp_bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
-attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX))
-attempt("netlink_socket", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
-attempt("signal_parent", lambda: os.kill(PARENT, 0))
-attempt("sysv_shm", lambda: libc_call("shmget", 4242, 4096, 0o1666))
-attempt("sysv_msg", lambda: libc_call("msgget", 4242, 0o1666))
-attempt("posix_mq", lambda: libc_call("mq_open", b"/frontier-probe", os.O_CREAT | os.O_RDWR, 0o666, None))
-attempt("keyring", lambda: libc_call("syscall", 248 if os.uname().machine == "x86_64" else 217, b"user", b"k", b"v", 1,
-                                     -4))
-attempt("xattr", lambda: os.setxattr("tokenizer.json", "user.frontier", b"1"))
-attempt("hostname", lambda: socket.sethostname("frontier-probe"))
-if not CONTROL:
+# The control run has no sandbox: it stops here, before anything that would change the machine.
+if os.environ.get("PROBE_CONTROL") != "1":
+    attempt("write_tmp", lambda: open("/tmp/frontier-probe", "w").write("x"))
+    attempt("write_dev_shm", lambda: open("/dev/shm/frontier-probe", "w").write("x"))
+    attempt("write_kit", lambda: open(KIT_FILE, "a").write("x"))
+    attempt("parent_fd", lambda: open(f"/proc/{PARENT}/fd/1", "w"))
+    attempt("parent_cwd", lambda: os.listdir(f"/proc/{PARENT}/cwd"))
+    attempt("tcp_bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
+    attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX))
+    attempt("netlink_socket", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
+    attempt("signal_parent", lambda: os.kill(PARENT, 0))
+    attempt("sysv_shm", lambda: libc_call("shmget", 4242, 4096, 0o1666))
+    attempt("sysv_msg", lambda: libc_call("msgget", 4242, 0o1666))
+    attempt("posix_mq", lambda: libc_call("mq_open", b"/frontier-probe", os.O_CREAT | os.O_RDWR, 0o666, None))
+    attempt("keyring", lambda: libc_call("syscall", 248 if os.uname().machine == "x86_64" else 217, b"user", b"k", b"v",
+                                         1, -4))
+    attempt("xattr", lambda: os.setxattr("tokenizer.json", "user.frontier", b"1"))
+    attempt("hostname", lambda: socket.sethostname(socket.gethostname()))  # a no-op, if it were allowed
     before = os.stat(KIT_FILE)
     os.utime(KIT_FILE, (1, 1))
     os.chmod(KIT_FILE, 0o777)
@@ -613,7 +612,7 @@ def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, hon
     assert lines["val_bpb"] == honest["public"]["val_bpb"]
     assert lines["sandbox"].startswith("capabilities + landlock-") and "seccomp" in lines["sandbox"]
     unsandboxed = dict(line.split()[2:4] for line in control.stderr.splitlines() if line.startswith("[worker] PROBE "))
-    assert unsandboxed["read_file"] == unsandboxed["tcp_connect"] == unsandboxed["write_tmp"] == "ALLOWED"
+    assert unsandboxed["read_file"] == unsandboxed["tcp_connect"] == unsandboxed["list_tmp"] == "ALLOWED"
 
 
 def test_an_honest_model_gets_the_same_number_with_and_without_the_sandbox(tmp_path, checkpoint, text_dataset, honest):

@@ -307,11 +307,12 @@ def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path,
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
 
     cheat = tmp_path / "cheat_inference.py"  # scores something other than the trained model
-    cheat.write_text("import sys\nsys.path.insert(0, %r)\nimport inference\n\n"
-                     "class Off(inference.Scorer):\n    def score(self, seqs):\n"
-                     "        return [(l * 0.5, g) for l, g in super().score(seqs)]\n\n"
-                     "def load_scorer(path, device):\n    s = inference.load_scorer(path, device)\n"
-                     "    return Off(s.model, s.device)\n" % str(REPO))
+    cheat.write_text((REPO / "inference.py").read_text() +
+                     "\n\nclass Off(Scorer):\n    def score(self, seqs):\n"
+                     "        return [(l * 0.5, g) for l, g in super().score(seqs)]\n\n\n"
+                     "_load_scorer = load_scorer\n\n\n"
+                     "def load_scorer(path, device):\n    s = _load_scorer(path, device)\n"
+                     "    return Off(s.model, s.device)\n")
     result = _eval_core(["--inference-py", str(cheat), "--checkpoint", str(tiny_checkpoint), "--train-py",
                          str(REPO / "train.py"), "--bundle-dir", str(bundle)], env)
     assert result.returncode == 1 and "must score the trained model" in result.stderr
