@@ -1,13 +1,12 @@
 """
 The baseline: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
 This is the one file a participant edits. It reads top to bottom: hyperparameters, devices,
-model (with an inline NKI kernel), optimizer, schedules, training step, checkpoint, scale
-(batch geometry, budget planner), main().
+model (with an inline NKI kernel), optimizer, schedules, training step, checkpoint, batch geometry,
+main(). Sizing a run for a budget is a tool beside it: python tools/plan.py (it imports this file).
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=64 train.py --preset phase2   # 16 chips, 4 h
-    python train.py --plan --ranks 64 --budget 14400   # size model and batch for a budget; trains nothing
     python train.py --preset cpu      # a laptop: 5 minutes that learn something
     python train.py --preset gpu      # one CUDA GPU, 5 minutes
 
@@ -128,7 +127,7 @@ PRESETS = {
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
     "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0),
     # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
-    # `--plan --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
+    # `tools/plan.py --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
     # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
     # model's weights, gradients, optimizer state and activations well inside a rank's 24 GiB at LNC=2 (an
     # estimate: measure peak_memory_mb on the machine). A snapshot every 30 minutes bounds what a crash costs.
@@ -137,8 +136,8 @@ PRESETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Flags for every Hyperparameters field (with the official spelling beside ours where it differs),
-    --preset, and the budget planner's options."""
+    """Flags for every Hyperparameters field (with the official spelling beside ours where it differs)
+    and --preset."""
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
     for f in dataclasses.fields(Hyperparameters):
@@ -156,19 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(*flags, dest=f.name, type={"int": int, "float": float, "str": str}[str(f.type)],
                                 default=None, help=help_text)
-    plan = parser.add_argument_group("budget planner", "python train.py --plan --ranks N --budget SECONDS: size "
-                                     "the model and batch for a budget and print the flags; trains nothing")
-    plan.add_argument("--plan", action="store_true", help="print the plan and exit")
-    plan.add_argument("--ranks", type=int, default=1, help="ranks of the run to plan (Trainium2: 4 per chip at "
-                      "NEURON_LOGICAL_NC_CONFIG=2, 8 at 1)")
-    plan.add_argument("--budget", type=float, default=None, help="seconds of charged time (default: --time-budget)")
-    plan.add_argument("--tokens-per-second", type=float, default=None, help="throughput measured for the model "
-                      "the other flags describe (a run's tokens_per_second), all ranks together")
-    plan.add_argument("--measured-ranks", type=int, default=None, help="ranks of that measurement (default: --ranks)")
-    plan.add_argument("--mfu", type=float, default=None, help=f"assumed model FLOPs utilisation, 0-1 (default "
-                      f"{PLAN_ASSUMED_MFU} without a measurement)")
-    plan.add_argument("--probe", action="store_true", help="measure the throughput of the model the other flags "
-                      "describe with a few steps on this machine's device first")
     return parser
 
 
@@ -203,9 +189,10 @@ def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) ->
     return values, used
 
 
-def parse_command_line(argv=None) -> tuple[Hyperparameters, argparse.Namespace, list[str]]:
-    """(hyperparameters, planner options, one note per environment variable used)."""
-    parser = build_parser()
+def parse_command_line(argv=None, parser=None) -> tuple[Hyperparameters, argparse.Namespace, list[str]]:
+    """(hyperparameters, the parsed arguments, one note per environment variable used). `parser`: build_parser()
+    with more arguments (a tool's), by default build_parser() itself."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     values = dict(PRESETS[args.preset]) if args.preset else {}
     from_env, used = environment_settings(parser)
@@ -1465,7 +1452,7 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer, hp: Hyperparameters, g
 
 
 # -----------------------------------------------------------------------------------------------
-# Scale: batch geometry for any world size, and the budget planner
+# Scale: batch geometry for any world size
 # -----------------------------------------------------------------------------------------------
 
 
@@ -1510,188 +1497,13 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
     return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
 
 
-# The planner's rule. A preset sweep may revise these constants; each says where its value comes from.
-PLAN_TOKENS_PER_PARAM = 10.5  # nanochat's compute-optimal fit for this model family (anchors: at a fixed
-                              # compute budget, the loss is lowest near 10.5 training tokens per parameter)
-                              # Not at CPU scale: at 5 minutes (~1e14 FLOPs) the preset sweep found ~0.7 best
-                              # (README, "The CPU preset, chosen by measurement"): size such runs by a sweep
-PLAN_REFERENCE_BATCH = 2**18  # autoresearch's tuned batch (tokens per step) for a run of ...
-PLAN_REFERENCE_TOKENS = 5e8  # ... ~0.5B training tokens (5 minutes on an H100)
-PLAN_BATCH_EXPONENT = 0.383  # nanochat's fit: the best batch grows as (training tokens)^0.383 (2^18 at depth 8 to
-                             # 2^20 at depth 26); so the steps in a budget grow as (tokens)^0.617
-PLAN_ASSUMED_MFU = 0.22  # without a measurement: a dense 6-layer x 1024 model reached ~22% on one Trainium2
-                         # chip in Phase 1; measure your own and re-plan (--tokens-per-second or --probe)
-PLAN_MAX_DEPTH = 64
-PLAN_PROBE_WARMUP, PLAN_PROBE_STEPS = 3, 5  # --probe: steps that compile and warm up, then steps timed
-
-
-@dataclass
-class Plan:
-    hp: Hyperparameters  # the planned flags
-    ranks: int
-    flops_per_second: float  # achieved model FLOP/s, all ranks together
-    throughput_source: str
-    params: int
-    flops_per_token: int
-    training_seconds: float  # the budget less the time kept for the checkpoint
-    geometry: BatchGeometry
-    steps: int
-
-    @property
-    def tokens(self) -> int:
-        return self.steps * self.geometry.total_batch_size
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.flops_per_second / self.flops_per_token
-
-
-def planned_batch_size(tokens: float, seq_len: int, ranks: int) -> int:
-    """The batch law's tokens per step for a run of `tokens`, as a power-of-two number of rows on every
-    rank (so at least one row per rank)."""
-    ideal = PLAN_REFERENCE_BATCH * (tokens / PLAN_REFERENCE_TOKENS) ** PLAN_BATCH_EXPONENT
-    row_tokens = seq_len * ranks
-    return row_tokens * 2 ** max(0, round(math.log2(ideal / row_tokens)))
-
-
-def plan_run(hp: Hyperparameters, ranks: int, budget_seconds: float, flops_per_second: float,
-             throughput_source: str = "given") -> Plan:
-    """Size a run for a budget at a throughput (achieved model FLOP/s, all ranks): the depth, at the
-    flags' aspect ratio and head size, whose training tokens per parameter come nearest (in ratio)
-    PLAN_TOKENS_PER_PARAM; the batch from the batch law; the steps that fill the budget. Pure."""
-    best = None
-    for depth in range(1, PLAN_MAX_DEPTH + 1):
-        candidate = dataclasses.replace(hp, depth=depth, time_budget=float(budget_seconds))
-        with torch.device("meta"):
-            model = GPT(model_config(candidate))
-        training_seconds = budget_seconds - checkpoint_save_reserve(model)
-        if training_seconds <= 0:
-            break
-        tokens = flops_per_second / model.flops_per_token() * training_seconds
-        distance = abs(math.log(tokens / model.num_params() / PLAN_TOKENS_PER_PARAM))
-        if best is not None and distance > best[0]:
-            break  # tokens per parameter only fall with depth: past the target, every deeper model is further
-        best = (distance, candidate, model, training_seconds, tokens)
-    if best is None:
-        raise ValueError(f"a budget of {budget_seconds:.0f}s leaves no time to train after saving the checkpoint")
-    _, candidate, model, training_seconds, tokens = best
-    batch = planned_batch_size(tokens, hp.seq_len, ranks)
-    geometry = batch_geometry(batch, hp.device_batch_size, hp.seq_len, ranks)
-    candidate = dataclasses.replace(candidate, total_batch_size=batch, device_batch_size=geometry.device_batch_size)
-    return Plan(candidate, ranks, flops_per_second, throughput_source, model.num_params(), model.flops_per_token(),
-                training_seconds, geometry, int(tokens // batch))
-
-
-def format_plan(plan: Plan) -> str:
-    hp, g = plan.hp, plan.geometry
-    config = model_config(hp)
-    flags = f"--depth {hp.depth} --total-batch-size {hp.total_batch_size} --device-batch-size {hp.device_batch_size} " \
-            f"--time-budget {hp.time_budget:.0f}"
-    launch = f"torchrun --standalone --nproc_per_node={plan.ranks} train.py" if plan.ranks > 1 else "python train.py"
-    per_rank = plan.flops_per_second / plan.ranks
-    rows = [("throughput", f"{per_rank / 1e12:.1f} TFLOP/s per rank ({plan.throughput_source})"),
-            ("ranks", plan.ranks), ("budget_seconds", f"{hp.time_budget:.0f}"),
-            ("training_seconds", f"{plan.training_seconds:.0f}"),
-            ("depth", hp.depth), ("width", config.n_embd), ("heads", config.n_head),
-            ("parameters_M", f"{plan.params / 1e6:.1f}"), ("flops_per_token", f"{plan.flops_per_token:.4e}"),
-            ("tokens_per_second", f"{plan.tokens_per_second:,.0f}"),
-            ("batch", f"{g.total_batch_size:,} tokens = {g.device_batch_size} x {g.seq_len} x {g.world_size} ranks x "
-                      f"{g.grad_accum_steps} accumulation"),
-            ("steps", f"{plan.steps:,}"), ("tokens_B", f"{plan.tokens / 1e9:.2f}"),
-            ("tokens_per_parameter", f"{plan.tokens / plan.params:.1f}"),
-            ("command", f"{launch} {flags}")]
-    return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
-
-
-def measure_training_throughput(hp: Hyperparameters, device_type: str, dtype: str, steps: int, warmup: int) -> dict:
-    """One process training the model of `hp` on random tokens (throughput does not depend on the text):
-    tokens/s and MFU over `steps` optimizer steps, after `warmup` steps that include compilation."""
-    profile = device_profile(device_type, dtype)
-    device = torch.device(device_type)
-    model = GPT(model_config(hp)).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    model.chunked_loss = hp.chunked_loss
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
-    geometry = batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, 1)
-
-    def batches():
-        while True:
-            x = torch.randint(0, 8183, (geometry.device_batch_size, hp.seq_len + 1), device=device)
-            yield x[:, :-1], x[:, 1:], {}
-
-    data = batches()
-    t0 = time.time()
-    for _ in range(warmup):
-        train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
-    synchronize(device)
-    warm = time.time() - t0
-    t0, cpu0 = time.time(), time.process_time()
-    for _ in range(steps):
-        train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
-    synchronize(device)
-    dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
-    tok_s = hp.total_batch_size / dt
-    return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
-            "step_s": dt, "cpu_step_s": cpu_dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
-            "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
-            "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
-            "params_M": model.num_params() / 1e6, "peak_memory_mb": peak_memory_mb(device)}
-
-
-def plan_command(hp: Hyperparameters, options: argparse.Namespace) -> int:
-    """python train.py --plan: the throughput from a measurement, a probe or an assumed MFU, then the plan."""
-    budget = options.budget if options.budget is not None else hp.time_budget
-    if options.ranks < 1 or budget <= 0:
-        raise SystemExit(f"error: --plan needs --ranks >= 1 and --budget > 0, got {options.ranks}, {budget}")
-    target = hp.device if hp.device not in ("", "auto") else "neuron"  # the competition's device, unless told
-    with torch.device("meta"):
-        flops_per_token = GPT(model_config(hp)).flops_per_token()  # the model the other flags describe
-    if options.tokens_per_second is not None:
-        measured_ranks = options.measured_ranks or options.ranks
-        if options.tokens_per_second <= 0 or measured_ranks < 1:
-            raise SystemExit("error: --tokens-per-second and --measured-ranks must be positive")
-        per_rank = options.tokens_per_second / measured_ranks * flops_per_token
-        source = f"measured {options.tokens_per_second:,.0f} tokens/s of the depth-{hp.depth} model on " \
-                 f"{measured_ranks} ranks"
-    elif options.probe:
-        here = detect_device_type()
-        if target != here:
-            raise SystemExit(f"error: --probe measures on the device it plans for ({target}), and this machine's is "
-                             f"{here}: pass --device {here} to plan for it, or give --tokens-per-second or --mfu")
-        print(f"probe: {PLAN_PROBE_WARMUP} + {PLAN_PROBE_STEPS} steps of the depth-{hp.depth} model on {target}",
-              flush=True)
-        r = measure_training_throughput(hp, target, hp.dtype, PLAN_PROBE_STEPS, PLAN_PROBE_WARMUP)
-        per_rank = r["achieved_tflops"] * 1e12
-        source = f"probe: {r['tokens_per_second']:,.0f} tokens/s of the depth-{hp.depth} model on one {target} " \
-                 f"rank, {r['mfu_percent']:.1f}% MFU"
-    else:
-        mfu = options.mfu if options.mfu is not None else PLAN_ASSUMED_MFU
-        if not 0 < mfu <= 1:
-            raise SystemExit(f"error: --mfu is a fraction in (0, 1], got {mfu}")
-        if target == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("error: an MFU-based plan for cuda reads the GPU's peak, and this machine has no GPU; "
-                             "plan on the GPU machine, or give --tokens-per-second")
-        profile = device_profile(target, hp.dtype)
-        per_rank = mfu * profile.peak_flops
-        source = f"{'assumed' if options.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
-                 f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
-    print(format_plan(plan_run(hp, options.ranks, budget, per_rank * options.ranks, source)))
-    return 0
-
-
 # -----------------------------------------------------------------------------------------------
 # main
 # -----------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
-    hp, options, notes = parse_command_line(argv)
-    if options.plan:
-        return plan_command(hp, options)
+    hp, _, notes = parse_command_line(argv)
     device_type = hp.device if hp.device not in ("", "auto") else detect_device_type()
     setup_kernels(hp, device_type)
     profile = device_profile(device_type, hp.dtype)

@@ -21,11 +21,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import train as T  # noqa: E402
+from tools.plan import measure_training_throughput  # noqa: E402
 
 
 def run(hp: T.Hyperparameters, device_type: str, dtype: str, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
-    return T.measure_training_throughput(hp, device_type, dtype, steps, warmup)
+    return measure_training_throughput(hp, device_type, dtype, steps, warmup)
 
 
 def main():
