@@ -575,13 +575,15 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
+        """mask: [B, 1, T, T] bool, True where a query may attend; None: causal."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
         q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -601,8 +603,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        x = x + self.attn(norm(x), cos, sin, mask)
         return x + self.mlp(norm(x))
 
 
@@ -645,21 +647,24 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per matmul weight (the embedding lookup is free) plus
+        """Training FLOPs per token: 6 per matmul weight (embedding lookups are free) plus
         attention scores and values over the full context (the PaLM convention)."""
         c = self.config
-        return 6 * (self.num_params() - self.wte.weight.numel()) + 12 * c.n_layer * c.n_embd * c.sequence_len
+        lookups = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+        return 6 * (self.num_params() - lookups) + 12 * c.n_layer * c.n_embd * c.sequence_len
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (fp32), or the mean cross-entropy when targets are given."""
-        T = idx.shape[1]
-        if T > self.cos.shape[1]:
-            raise ValueError(f"sequence of {T} tokens exceeds the rotary tables ({self.cos.shape[1]})")
-        cos, sin = self.cos[:, :T], self.sin[:, :T]
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (fp32), or the mean cross-entropy when targets are given.
+        positions [B, T] (rotary position of each token; default 0..T-1) and attn_mask [B, 1, T, T] (bool,
+        True where a query may attend; default causal) let one row hold several sequences, e.g. a shared
+        prefix and its continuations (inference.py), each token getting the logits its own sequence
+        alone would. An attention variant that needs more (a sliding window) derives it from them."""
+        cos, sin = self.rotary(idx.shape[1], positions)
         with autocast_context(idx.device.type, self.compute_dtype):
             x = x0 = norm(self.wte(idx))
             for i, block in enumerate(self.blocks):
-                x = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos, sin)
+                x = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos, sin, attn_mask)
             x = norm(x)
             if targets is None or not self.chunked_loss:
                 logits = self.lm_head(x)
@@ -670,10 +675,33 @@ class GPT(nn.Module):
                                                  cap, self.compute_dtype or x.dtype, kernel)
         if targets is not None and kernel:
             return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
+        if targets is None and not (torch.is_grad_enabled() and logits.requires_grad):
+            return logits.float().div_(cap).tanh_().mul_(cap)  # in place: no [B, T, V] copies for the scorers
         logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def rotary(self, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at positions 0..T-1 ([1, T, 1, head_dim / 2]), or at `positions` ([B, T, 1, head_dim / 2])."""
+        if positions is not None:
+            return self.cos[0, positions], self.sin[0, positions]
+        if T > self.cos.shape[1]:
+            raise ValueError(f"sequence of {T} tokens exceeds the rotary tables ({self.cos.shape[1]})")
+        return self.cos[:, :T], self.sin[:, :T]
+
+
+def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", chunked_loss: bool = True,
+                init: bool = True) -> GPT:
+    """The GPT on `device`, initialised (init) or left for a state dict, with its forward set up: autocast
+    to the compute dtype (`dtype` as --dtype: auto is bf16 where the device is fast at it) and the training
+    loss chunked or plain. Training, load_for_eval, tools, benchmarks and tests all build it here."""
+    model = GPT(config).to(device)
+    if init:
+        model.init_weights()
+    model.compute_dtype = compute_dtype_for(torch.device(device).type, dtype)
+    model.chunked_loss = chunked_loss
+    return model
 
 
 # The training loss never holds the logits of the whole batch: LOSS_CHUNKS slices of rows in turn go
@@ -1347,14 +1375,12 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
     if unknown:
         raise ValueError(f"{checkpoint_path} was written by a model with config fields {unknown} that this "
                          "train.py's GPTConfig does not have")
-    model = GPT(GPTConfig(**config))
+    model = build_model(GPTConfig(**config), device, init=False)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{checkpoint_path} does not fit this train.py's GPT with config {config}: "
                          f"{str(e).splitlines()[0]} ...") from None
-    model.to(device)
-    model.compute_dtype = compute_dtype_for(device.type)
     return model.eval().requires_grad_(False)
 
 
@@ -1541,10 +1567,7 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
     geometry = batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, world_size)
     tokenizer = ensure_tokenizer()
     config = model_config(hp, tokenizer.get_vocab_size())
-    model = GPT(config).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    model.chunked_loss = hp.chunked_loss
+    model = build_model(config, device, hp.dtype, hp.chunked_loss)
     if world_size > 1:
         for p in model.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)

@@ -26,19 +26,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import train as T  # noqa: E402
 
 
-def new_model(hp: T.Hyperparameters, profile: T.DeviceProfile, device: torch.device) -> T.GPT:
+def new_model(hp: T.Hyperparameters, device: torch.device) -> T.GPT:
     torch.manual_seed(0)
-    model = T.GPT(T.model_config(hp)).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    return model
+    return T.build_model(T.model_config(hp), device, hp.dtype)
 
 
 def time_training(hp: T.Hyperparameters, device_type: str, steps: int, warmup: int) -> dict:
     """Tokens/s of train_step, and the share of it spent in optimizer.step()."""
     profile = T.device_profile(device_type, hp.dtype)
     device = torch.device(device_type)
-    model = new_model(hp, profile, device)
+    model = new_model(hp, device)
     optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
     step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
     accum = hp.total_batch_size // (hp.device_batch_size * hp.seq_len)
@@ -96,7 +93,7 @@ def shard_worker(hp: T.Hyperparameters, steps: int, warmup: int, out: str) -> No
     """Under torchrun: optimizer.step() on random gradients, replicated then sharded; each rank writes JSON."""
     profile = T.device_profile("cpu", hp.dtype)
     device, rank, world_size = T.init_distributed(profile)
-    model = new_model(hp, profile, device)
+    model = new_model(hp, device)
     rows = {}
     for mode in ("off", "on"):
         hp.shard_optimizer = mode

@@ -23,11 +23,10 @@ def plain_loss(h, weight, targets, cap):
     return F.cross_entropy(cap * torch.tanh((h @ weight.T).float() / cap), targets)
 
 
-def tiny_gpt(argv=(), vocab=VOCAB) -> T.GPT:
+def tiny_gpt(argv=(), vocab=VOCAB, dtype="fp32") -> T.GPT:
     """A GPT whose blocks all carry gradient (init_weights starts them at the identity)."""
     torch.manual_seed(0)
-    model = T.GPT(T.model_config(T.parse_hyperparameters([*TINY, *argv]), vocab_size=vocab))
-    model.init_weights()
+    model = T.build_model(T.model_config(T.parse_hyperparameters([*TINY, *argv]), vocab_size=vocab), dtype=dtype)
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.05)
         for block in model.blocks:
@@ -78,8 +77,7 @@ def test_chunked_loss_equals_the_plain_path_on_the_gpt_in_fp32(monkeypatch):
 
 def test_chunked_loss_in_bf16_matches_the_plain_path_to_bf16_rounding(monkeypatch):
     monkeypatch.setattr(T, "LOSS_CHUNKS", 5)
-    model = tiny_gpt()
-    model.compute_dtype = torch.bfloat16
+    model = tiny_gpt(dtype="bf16")
     idx = torch.randint(0, VOCAB, (3, 25), generator=torch.Generator().manual_seed(2))
     plain, plain_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=False)
     chunked, chunked_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=True)

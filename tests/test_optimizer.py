@@ -19,8 +19,7 @@ TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len",
 
 def tiny_model() -> T.GPT:
     torch.manual_seed(0)
-    model = T.GPT(T.model_config(T.parse_hyperparameters(TINY)))
-    model.init_weights()
+    model = T.build_model(T.model_config(T.parse_hyperparameters(TINY)), dtype="fp32")
     return model
 
 

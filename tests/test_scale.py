@@ -74,8 +74,7 @@ def test_schedules_run_on_steps_when_a_step_count_is_given():
 
 def tiny_model_and_optimizer(hp, seed=0):
     torch.manual_seed(seed)
-    model = T.GPT(T.model_config(hp))
-    model.init_weights()
+    model = T.build_model(T.model_config(hp), dtype="fp32")
     optimizer = T.build_optimizer(model, hp, ns_dtype=None)
     model(torch.randint(0, 8000, (2, 16)), torch.randint(0, 8000, (2, 16))).backward()
     optimizer.step()  # optimizer state exists

@@ -126,10 +126,7 @@ def measure_training_throughput(hp: T.Hyperparameters, device_type: str, dtype: 
     tokens/s and MFU over `steps` optimizer steps, after `warmup` steps that include compilation."""
     profile = T.device_profile(device_type, dtype)
     device = torch.device(device_type)
-    model = T.GPT(T.model_config(hp)).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    model.chunked_loss = hp.chunked_loss
+    model = T.build_model(T.model_config(hp), device, dtype, hp.chunked_loss)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
