@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import json
 import math
 import os
@@ -354,16 +356,15 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # -----------------------------------------------------------------------------------------------
-# NKI kernel: relu(x)^2, forward and backward (the template for kernels/)
+# Kernels: the inline NKI kernel relu(x)^2 (the template for kernels/), and the --nki-* flags' routing
 # -----------------------------------------------------------------------------------------------
-# Kernels take a 2-D [N, D] tensor in HBM and work on tiles of 128 rows (SBUF partitions):
-# load a tile, compute with ScalarE/VectorE instructions (fp32 inside the engines), store it.
-# A launch runs one instance per physical core of the rank's logical core (NEURON_LOGICAL_NC_CONFIG,
-# 1 or 2); instance nl.program_id(0) of nl.num_programs() takes its own share of the row tiles.
-# Limits: N % (128 * cores) == 0 and D <= NKI_MAX_FREE (a tile's SBUF footprint); bf16 or fp32
-# input. Other shapes run the PyTorch reference instead, with a one-time notice. The launcher and
-# that choice live in kernels/common.py, shared with the other kernels; train.py imports it only
-# when a kernel is switched on, so importing train.py never needs kernels/.
+# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI
+# kernels (defined only where nki imports), an autograd.Function that runs either, and a public op that
+# takes the kernel where the tensor fits it and the reference elsewhere, saying so once. The kernels see
+# an [N, D] tensor in HBM as tiles of 128 rows (SBUF partitions): load a tile, compute with ScalarE /
+# VectorE instructions (fp32 inside the engines), store it. A launch runs one instance per physical core
+# of the rank's logical core (NEURON_LOGICAL_NC_CONFIG: 1 or 2), and instance nl.program_id(0) takes its
+# share of the tiles. This one needs nothing from kernels/, so --nki-relu2 runs under the organisers' kit.
 
 try:
     import nki
@@ -375,7 +376,16 @@ except ImportError:
 
 NKI_PARTITIONS = 128  # rows per tile: the SBUF partition count
 NKI_MAX_FREE = 8192  # columns per tile: 8 bytes per element in flight, well under 224 KiB per partition
-KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors; filled from the --nki-* flags
+NKI_NOTICES: set = set()  # the reasons a tensor ran the reference instead, each said once
+
+
+def relu2_forward_reference(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def relu2_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return 2 * F.relu(x) * grad
+
 
 if HAS_NKI:
     @nki.jit
@@ -416,106 +426,105 @@ if HAS_NKI:
         return dx
 
 
-def relu2_forward_reference(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
-
-
-def relu2_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return 2 * F.relu(x) * grad
-
-
-def nki_fits(x: torch.Tensor) -> bool:
-    """Whether the row-tiled kernels take this tensor's shape and dtype (as rows of its last dimension)."""
-    return x.numel() % (NKI_PARTITIONS * x.shape[-1]) == 0 and x.shape[-1] <= NKI_MAX_FREE \
-        and x.dtype in (torch.bfloat16, torch.float32)
-
-
-def run_on_rows(kernel, *tensors: torch.Tensor) -> torch.Tensor:
-    """Launch a row-tiled kernel on [N, D] views of same-shaped tensors; reshape the result back."""
-    from kernels.common import launch
+def launch_on_rows(kernel, *tensors: torch.Tensor) -> torch.Tensor:
+    """Run a row-tiled kernel on [N, D] views of same-shaped tensors, one instance per physical core of
+    the logical core, through torch-neuronx's wrap_nki where it imports; reshape the result back."""
     shape = tensors[0].shape
     rows = [t.reshape(-1, shape[-1]).contiguous() for t in tensors]
-    return launch(kernel, *rows).reshape(shape)
+    return nki_launcher()(kernel)[int(os.environ["NEURON_LOGICAL_NC_CONFIG"])](*rows).reshape(shape)
+
+
+@functools.cache
+def nki_launcher():
+    for module in ("torch_neuronx", "torch_neuronx.nki_hop"):  # where torch-neuronx releases keep wrap_nki
+        try:
+            return importlib.import_module(module).wrap_nki
+        except (ImportError, AttributeError):
+            pass
+    return lambda kernel: kernel  # nki's own launch (as on its simulator)
 
 
 class ReLUSquared(torch.autograd.Function):
-    """relu(x)^2 with forward and backward as NKI kernels (use_kernel=True, neuron tensors) or as
-    the PyTorch reference (use_kernel=False, any device)."""
+    """relu(x)^2, forward and backward as the NKI kernels (use_kernel=True) or the reference (False)."""
 
     @staticmethod
     def forward(ctx, x, use_kernel: bool):
         ctx.save_for_backward(x)
         ctx.use_kernel = use_kernel
-        return run_on_rows(relu2_forward_kernel, x) if use_kernel else relu2_forward_reference(x)
+        return launch_on_rows(relu2_forward_kernel, x) if use_kernel else relu2_forward_reference(x)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         if ctx.use_kernel:
-            return run_on_rows(relu2_backward_kernel, x, grad), None
+            return launch_on_rows(relu2_backward_kernel, x, grad), None
         return relu2_backward_reference(x, grad), None
 
 
 def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 as the kernel pair for the tensors it takes; the PyTorch reference otherwise."""
-    from kernels.common import pick_kernel
-    rows = x.numel() // x.shape[-1]
-    if pick_kernel("relu2", x, nki_fits(x), f"shape {tuple(x.shape)} {x.dtype} does not fit (rows % "
-                   f"{NKI_PARTITIONS}, width <= {NKI_MAX_FREE}, bf16/fp32)", rows):
+    """relu(x)^2 as the kernel pair where x fits it; elsewhere the reference, saying why once."""
+    cores, rows = int(os.environ["NEURON_LOGICAL_NC_CONFIG"]), x.numel() // x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] > NKI_MAX_FREE:
+        why = f"shape {tuple(x.shape)} {x.dtype} does not fit (width <= {NKI_MAX_FREE}, bf16/fp32)"
+    elif rows % (NKI_PARTITIONS * cores):
+        why = f"{rows} rows do not split into {NKI_PARTITIONS}-row tiles evenly over {cores} physical cores"
+    else:
         return ReLUSquared.apply(x, True)
+    if why not in NKI_NOTICES:
+        NKI_NOTICES.add(why)
+        print0(f"notice: relu2: {why}; using the PyTorch reference")
     return relu2_forward_reference(x)
 
 
-def enable_kernels(hp: Hyperparameters) -> None:
+KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors; filled from the --nki-* flags
+
+
+def enable_kernels(options) -> None:
     """Route the ops named by the --nki-* flags to their kernels (for tensors on the neuron device)."""
-    if hp.nki_relu2:
+    if options.nki_relu2:
         KERNELS["relu2"] = relu_squared_nki
-    if hp.nki_rmsnorm:
+    if options.nki_rmsnorm:
         import kernels.rmsnorm
         KERNELS["rmsnorm"] = kernels.rmsnorm.rms_norm
-    if hp.nki_rope_qknorm:
+    if options.nki_rope_qknorm:
         import kernels.rope_qknorm
         KERNELS["rope_qknorm"] = kernels.rope_qknorm.rope_qknorm
-    if hp.nki_softcap_ce:
+    if options.nki_softcap_ce:
         import kernels.softcap_ce
         KERNELS["softcap_ce"] = kernels.softcap_ce.softcap_cross_entropy
 
 
-def setup_kernels(hp: Hyperparameters, device_type: str) -> None:
+def setup_kernels(options, device_type: str) -> None:
     """Check that the --nki-* flags can run here, then enable them; stop with the reason otherwise."""
-    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(hp) if f.name.startswith("nki_")
-             and getattr(hp, f.name)]
+    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(options) if f.name.startswith("nki_")
+             and getattr(options, f.name)]
     if not flags:
         return
     if not (device_type == "neuron" and HAS_NKI):
         raise SystemExit(f"error: {' '.join(flags)} run NKI kernels, which need the neuron device and the nki "
                          f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
                          "Drop the flag here, or run on a Trainium machine.")
-    if hp.compile:
+    if options.compile:
         raise SystemExit(f"error: --compile with {' '.join(flags)}: the kernels are called from "
                          "torch.autograd.Functions in eager mode, and the kit does not register them as "
                          "torch.compile custom ops (torch_neuronx.nki_op with register_autograd). Drop --compile, "
                          "or the --nki-* flags.")
-    from kernels.common import installed_nki_version, logical_core_count, nki_version_problem
-    problem = nki_version_problem(installed_nki_version())
-    if problem:
-        raise SystemExit(f"error: {' '.join(flags)}: {problem}")
-    try:
-        logical_core_count()
-    except ValueError as e:
-        raise SystemExit(f"error: {' '.join(flags)}: {e}") from None
-    enable_kernels(hp)
+    cores = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if cores not in ("1", "2"):  # a kernel's core count must equal the compiler's and the runtime's
+        raise SystemExit(f"error: {' '.join(flags)}: NEURON_LOGICAL_NC_CONFIG is {cores!r}; the NKI kernels launch "
+                         "one instance per physical core of the logical core and need it set to 1 or 2, e.g. "
+                         "NEURON_LOGICAL_NC_CONFIG=2 torchrun --nproc_per_node=4 train.py ...")
+    if flags != ["--nki-relu2"]:  # the kernels/ modules check the nki release they were written for
+        from kernels.common import installed_nki_version, nki_version_problem
+        problem = nki_version_problem(installed_nki_version())
+        if problem:
+            raise SystemExit(f"error: {' '.join(flags)}: {problem}")
+    enable_kernels(options)
 
 
 def on_kernel(name: str, x: torch.Tensor):
     """The NKI implementation of op `name` if it is enabled and x lives on the neuron device."""
     return KERNELS.get(name) if x.device.type == "neuron" else None
-
-
-def relu_squared(x: torch.Tensor) -> torch.Tensor:
-    """The MLP activation. With --nki-relu2 on the neuron device it runs as the NKI kernel pair."""
-    kernel = on_kernel("relu2", x)
-    return kernel(x) if kernel else relu2_forward_reference(x)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -544,6 +553,12 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without a learned scale."""
     kernel = on_kernel("rmsnorm", x)
     return kernel(x) if kernel else F.rms_norm(x, (x.size(-1),))
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """The MLP activation. With --nki-relu2 on the neuron device it runs as the NKI kernel pair."""
+    kernel = on_kernel("relu2", x)
+    return kernel(x) if kernel else relu2_forward_reference(x)
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -280,8 +280,9 @@ def kit(request, monkeypatch):
         the_kit, mods = request.getfixturevalue("emulated_kit")
         for name, mod in mods.items():
             monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(the_kit.common, "KERNEL_DEVICE", "cpu")
+    monkeypatch.setattr(the_kit.common, "KERNEL_DEVICE", "cpu")  # (train.py's relu2 op is called directly)
     monkeypatch.setattr(the_kit.common, "_NOTICES", set())
+    monkeypatch.setattr(the_kit.train, "NKI_NOTICES", set())
     return the_kit
 
 
@@ -387,6 +388,24 @@ def test_setup_kernels_stops_clearly_when_a_kernel_cannot_run(kit, monkeypatch):
     kit.train.setup_kernels(T.Hyperparameters(), "cpu")  # no flag: nothing to check
 
 
+def test_the_inline_relu2_kernel_needs_nothing_from_kernels(kit, monkeypatch):
+    """train.py's kernel stands alone, as the template it is: with kernels/ unimportable (a train.py
+    copied into the organisers' kit), --nki-relu2 sets up and the kernel pair runs."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "kernels"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "kernels", None)  # `import kernels...` now raises ImportError
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setattr(kit.train, "KERNELS", {})
+    kit.train.setup_kernels(T.Hyperparameters(nki_relu2=True), "neuron")
+    assert set(kit.train.KERNELS) == {"relu2"}
+    before = launches()
+    check(kit, "relu2", (2, 128, 48), torch.float32, "cpu")
+    if REAL_NKI is None:
+        assert [r["grid"] for r in nki_emulator.LAUNCHES[before:]] == [2, 2]
+    with pytest.raises(ImportError):
+        kit.train.setup_kernels(T.Hyperparameters(nki_relu2=True, nki_rmsnorm=True), "neuron")
+
+
 def test_the_chunked_training_loss_runs_the_softcap_ce_kernels_per_chunk(kit, monkeypatch, capsys):
     """train.py's chunked loss with --nki-softcap-ce: each chunk's logits go through the kernel pair, and
     the loss and the gradients equal the plain path's."""
@@ -437,6 +456,7 @@ DEVICE_SHAPES = [  # the baseline's shapes, at the default width (640) and vocab
 def test_kernels_match_their_references_on_trainium(monkeypatch, capsys, op, shape, takes, dtype):
     grid = common.logical_core_count()  # fixed for the process: run once per NEURON_LOGICAL_NC_CONFIG
     monkeypatch.setattr(common, "_NOTICES", set())
+    monkeypatch.setattr(T, "NKI_NOTICES", set())
     device_kit = types.SimpleNamespace(common=common, rmsnorm=rmsnorm, softcap_ce=softcap_ce, rope_qknorm=rope_qknorm,
                                        train=T)
     check(device_kit, op, shape, dtype, "neuron")
