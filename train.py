@@ -18,6 +18,7 @@ out/state make a long run resumable. The scorer imports this file and calls load
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from prepare import (EVAL_SEQ_LEN, TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_STEPS_EXCLUDED, TRAIN_TIME_BUDGET_SECONDS,
                      HarnessError, budget_status, default_out_dir, default_train_eval_public, default_train_eval_tokens,
@@ -339,7 +342,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def autocast_context(device_type: str, dtype: torch.dtype | None):
-    return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    """Matmuls in `dtype`; None: as they are (fp32), with no autocast at all (the meta device has none)."""
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -869,6 +873,135 @@ def muon_update(grads: list[torch.Tensor], weights: list[torch.Tensor], momentum
     return weights - (lr * update + decay * weights)
 
 
+class MuonAdamW(torch.optim.Optimizer):
+    """The update rule, two of them. Groups of kind 'muon' hold same-shaped matrices, updated together:
+    Nesterov momentum, Polar Express, NorMuon rescaling, cautious weight decay. Groups of kind 'adamw'
+    hold everything else. State lives on each parameter's device.
+
+    The per-step hyperparameters (SCHEDULED, set by set_hyperparameters) and AdamW's step count are
+    0-D device tensors, so `compile_backend` compiles each update once: a new value is data, not a new
+    graph. What this process updates of each parameter, and with which gradient, is the transport's
+    business (GradientTransport, under the banner below): on one process, all of it with p.grad; under
+    torchrun, the gradient averaged over ranks and, sharded (ZeRO-1), only this rank's share."""
+
+    SCHEDULED = ("lr", "momentum", "weight_decay")
+
+    def __init__(self, param_groups, transport: "GradientTransport | None" = None, compile_backend: str | None = None):
+        super().__init__(param_groups, defaults={})
+        self.transport = transport or GradientTransport(self.param_groups)
+        device = self.param_groups[0]["params"][0].device
+        # Per-step hyperparameters are views of one device buffer: one host-to-device copy per step.
+        self._hyper_keys = [(i, k) for i, g in enumerate(self.param_groups) for k in self.SCHEDULED if k in g]
+        self._hyper_host = torch.tensor([float(self.param_groups[i][k]) for i, k in self._hyper_keys])
+        self._hyper = self._hyper_host.to(device)
+        for j, (i, k) in enumerate(self._hyper_keys):
+            self.param_groups[i][k] = self._hyper[j]
+        # State for what this process updates, created now so that state_dict() is complete before a step.
+        self._mine = [[p for p in g["params"] if self.transport.local_shape(p) is not None] for g in self.param_groups]
+        for group, mine in zip(self.param_groups, self._mine):
+            if group["kind"] == "muon" and mine:
+                rows, cols = mine[0].shape
+                self.state[mine[0]].update(
+                    momentum=torch.zeros(len(mine), rows, cols, device=device),
+                    second_moment=torch.zeros((len(mine), rows, 1) if rows >= cols else (len(mine), 1, cols),
+                                              device=device))
+            elif group["kind"] == "adamw":
+                for p in mine:
+                    shape = self.transport.local_shape(p)
+                    self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros(shape, device=device),
+                                         exp_avg_sq=torch.zeros(shape, device=device))
+        compiled = (lambda f: torch.compile(f, backend=compile_backend, dynamic=False, fullgraph=True)) \
+            if compile_backend else (lambda f: f)
+        self._adamw_update, self._muon_update = compiled(adamw_update), compiled(muon_update)
+
+    def set_hyperparameters(self, values: list[dict]) -> None:
+        """Set this step's hyperparameters, one dict per param group (e.g. {"lr": 0.01}), with one copy.
+        A key the group does not schedule is an error, never a value dropped."""
+        index = {key: j for j, key in enumerate(self._hyper_keys)}
+        for i, group_values in enumerate(values):
+            for k, v in group_values.items():
+                if (i, k) not in index:
+                    raise KeyError(f"param group {i} ({self.param_groups[i]['kind']}) schedules "
+                                   f"{[key for g, key in self._hyper_keys if g == i]}, not {k!r}")
+                self._hyper_host[index[(i, k)]] = v
+        self._hyper.copy_(self._hyper_host)
+
+    @torch.no_grad()
+    def step(self):
+        self.transport.wait_for_gradients()
+        for group, mine in zip(self.param_groups, self._mine):
+            parts = [self.transport.local(p) for p in mine]  # (values updated in place, gradient) each
+            if group["kind"] == "muon" and mine:
+                state = self.state[mine[0]]
+                new = self._muon_update([g for _, g in parts], [v for v, _ in parts], state["momentum"],
+                                        state["second_moment"], group["lr"], group["momentum"],
+                                        group["weight_decay"], group["beta2"], group["ns_steps"], group["ns_dtype"])
+                torch._foreach_copy_([v for v, _ in parts], list(new.unbind(0)))
+            elif group["kind"] == "adamw":
+                beta1, beta2 = group["betas"]
+                for p, (values, grad) in zip(mine, parts):
+                    if grad is not None:
+                        state = self.state[p]
+                        self._adamw_update(values, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                                           group["lr"], group["weight_decay"], beta1, beta2, group["eps"])
+        self.transport.finish_step()
+
+    def state_dict(self) -> dict:
+        """Plain tensors and plain data (loads with weights_only=True); sharded, this rank's part only."""
+        return {**super().state_dict(), "sharding": self.transport.sharding()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("sharding", {"sharded": False})
+        if saved != self.transport.sharding():
+            raise ValueError(f"optimizer state saved as {saved} cannot be loaded here ({self.transport.sharding()}): "
+                             "resume with the same world size, --shard-optimizer and --grad-bucket-mb, each rank "
+                             "loading its own file")
+        live = {(i, k): self.param_groups[i][k] for i, k in self._hyper_keys}
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
+        # Keep the hyperparameter tensors the compiled updates were traced with; take the saved values.
+        for (i, k), tensor in live.items():
+            tensor.copy_(torch.as_tensor(self.param_groups[i][k]))
+            self.param_groups[i][k] = tensor
+        self._hyper_host.copy_(self._hyper)
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+
+
+def parameter_groups(model: GPT, recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[dict]:
+    """The per-parameter table: which rule updates each parameter, and how. A new parameter is one row
+    (a forgotten one is an error that names it). ns_dtype: Polar Express's precision (None: fp32)."""
+    width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
+    adamw = dict(kind="adamw", betas=(recipe.adam_beta1, recipe.adam_beta2), eps=1e-10, weight_decay=0.0)
+    muon = dict(kind="muon", lr=recipe.matrix_lr, momentum=recipe.muon_momentum_start, ns_steps=recipe.muon_ns_steps,
+                ns_dtype=ns_dtype or torch.float32, beta2=recipe.muon_beta2, weight_decay=recipe.weight_decay)
+    table = [  # (parameters, rule): AdamW for the head, the embedding and the scalars, Muon for the matrices
+        ([model.lm_head.weight], dict(adamw, lr=recipe.unembedding_lr * width_scale)),
+        ([model.wte.weight], dict(adamw, lr=recipe.embedding_lr * width_scale)),
+        ([model.resid_lambdas], dict(adamw, lr=recipe.scalar_lr * 0.01)),
+        ([model.x0_lambdas], dict(adamw, lr=recipe.scalar_lr, betas=(0.96, 0.95))),
+        (list(model.blocks.parameters()), muon),  # every matrix in the blocks
+    ]
+    groups = []
+    for params, rule in table:
+        if rule["kind"] == "muon":  # Muon updates same-shaped matrices together: a group per shape
+            for shape in sorted({tuple(p.shape) for p in params}):
+                groups.append(dict(rule, params=[p for p in params if tuple(p.shape) == shape]))
+        else:
+            groups.append(dict(rule, params=params))
+    listed = {id(p) for g in groups for p in g["params"]}
+    missing = [name for name, p in model.named_parameters() if id(p) not in listed]
+    if missing:
+        raise ValueError(f"parameters {missing} have no row in parameter_groups' table: add one")
+    for g in groups:
+        g["initial_lr"] = g["lr"]
+    return groups
+
+
 # Gradients travel in buckets, each sent as soon as the backward has produced all of its gradients.
 # A bucket is `parts` equal chunks (parts = world size when the optimizer is sharded, else 1): chunk r
 # holds what rank r owns, so one reduce-scatter hands each rank the summed gradients of its own
@@ -895,7 +1028,7 @@ class Bucket:
     slots: dict  # parameter -> Slot
     flat: torch.Tensor | None = None  # parts x chunk: the gradients sent, then (sharded) the weights gathered
     own: torch.Tensor | None = None  # sharded: this rank's chunk, its summed gradients, then its updated weights
-    work: object = None  # the last collective launched (kept after it finishes, see MuonAdamW._wait)
+    work: object = None  # the last collective launched (kept after it finishes, see GradientTransport._wait)
 
     @property
     def padding(self) -> int:
@@ -952,92 +1085,71 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class MuonAdamW(torch.optim.Optimizer):
-    """One optimizer, two rules. Groups of kind 'muon' hold same-shaped matrices, updated together:
-    Nesterov momentum, Polar Express, NorMuon rescaling, cautious weight decay. Groups of kind
-    'adamw' hold everything else. State lives on each parameter's device.
-
-    Per-step hyperparameters (SCHEDULED, set by set_hyperparameters) and AdamW's step count are 0-D
-    device tensors, so `compile_backend` can compile the updates once: a new value is data, not a
-    new graph. Across ranks it averages the gradients itself: gradient hooks send each bucket as soon
-    as the backward fills it (only while `sync_in_backward`), step() waits for them. Sharded (ZeRO-1),
-    each rank keeps state for, and updates, only what it owns (Muon matrices whole, the rest as
-    slices), then the updated weights are all-gathered."""
-
-    SCHEDULED = ("lr", "momentum", "weight_decay")
+class GradientTransport:
+    """Where MuonAdamW's gradients come from, and what of each parameter this process updates. On one
+    process: all of it, with p.grad. Under torchrun it averages the gradients itself: a hook on each
+    parameter copies its gradient into its bucket as the backward produces it, and a full bucket is
+    sent at once (only while `send_in_backward`); wait_for_gradients() sends the rest and waits.
+    Sharded (ZeRO-1), each rank updates only what it owns (Muon matrices whole, every other parameter
+    as a slice): buckets are reduce-scattered to their owners, and finish_step() all-gathers the
+    updated values into every rank's parameters."""
 
     def __init__(self, param_groups, rank: int = 0, world_size: int = 1, shard: bool = False,
-                 compile_backend: str | None = None, ready_order: list[torch.Tensor] | None = None,
-                 bucket_bytes: int = 25 * 2**20):
-        super().__init__(param_groups, defaults={})
+                 ready_order: list[torch.Tensor] | None = None, bucket_bytes: int = 25 * 2**20):
         self.rank, self.world_size, self.shard = rank, world_size, shard and world_size > 1
         self.comm_seconds = 0.0  # host seconds spent waiting on communication, cumulative
-        self.sync_in_backward = True  # send gradients from the backward (train_step: only its last micro-batch)
-        params = [p for g in self.param_groups for p in g["params"]]
-        device = params[0].device
-        # Per-step hyperparameters are views of one device buffer: one host-to-device copy per step.
-        self._hyper_keys = [(i, k) for i, g in enumerate(self.param_groups) for k in self.SCHEDULED if k in g]
-        self._hyper_host = torch.tensor([float(self.param_groups[i][k]) for i, k in self._hyper_keys])
-        self._hyper = self._hyper_host.to(device)
-        for j, (i, k) in enumerate(self._hyper_keys):
-            self.param_groups[i][k] = self._hyper[j]
-
+        self.send_in_backward = True  # send gradients from the backward (train_step: only its last micro-batch)
+        params = [p for g in param_groups for p in g["params"]]
+        self._matrices = [g["params"] for g in param_groups if g["kind"] == "muon"]  # whole on their owner
         order = ready_order or params[::-1]
         if sorted(map(id, order)) != sorted(map(id, params)):
             raise ValueError("ready_order must list every parameter of the optimizer exactly once")
-        whole = {p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
+        whole = {p for ps in self._matrices for p in ps}
         parts = world_size if self.shard else 1
         self.buckets = plan_buckets(order, whole, parts, bucket_bytes // 4) if world_size > 1 else []
         self._slot = {p: (b, b.slots[p]) for b in self.buckets for p in b.params}
         for b in self.buckets:
-            b.flat = torch.zeros(b.parts * b.chunk, device=device)
+            b.flat = torch.zeros(b.parts * b.chunk, device=params[0].device)
             if self.shard:
-                b.own = torch.zeros(b.chunk, device=device)
-        self._packed, self._launched, self._grads_ready = set(), 0, False
+                b.own = torch.zeros(b.chunk, device=params[0].device)
+        self._packed, self._launched, self._grads_ready, self._updated = set(), 0, False, {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in order] \
             if world_size > 1 else []
 
-        # State, created now so that state_dict() is complete before the first step.
-        self._owned = []  # per group: the parameters this rank updates
-        for group in self.param_groups:
-            ps = group["params"]
-            if group["kind"] == "muon":
-                owned = [p for p in ps if not self.shard or self._slot[p][1].owner == rank]
-                if owned:
-                    rows, cols = ps[0].shape
-                    self.state[owned[0]].update(
-                        momentum=torch.zeros(len(owned), rows, cols, device=device),
-                        second_moment=torch.zeros((len(owned), rows, 1) if rows >= cols else (len(owned), 1, cols),
-                                                  device=device))
-            else:
-                owned = ps
-                for p in ps:
-                    shape = (self._slot[p][1].size,) if self.shard else p.shape
-                    self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros(shape, device=device),
-                                         exp_avg_sq=torch.zeros(shape, device=device))
-            self._owned.append(owned)
+    # -- what this rank updates ----------------------------------------------------------------------
 
-        compiled = (lambda f: torch.compile(f, backend=compile_backend, dynamic=False, fullgraph=True)) \
-            if compile_backend else (lambda f: f)
-        self._adamw_update, self._muon_update = compiled(adamw_update), compiled(muon_update)
+    def local_shape(self, p: torch.Tensor):
+        """The shape of the part of p this rank updates (None: none of it)."""
+        if not self.shard:
+            return p.shape
+        slot = self._slot[p][1]
+        return (slot.size,) if slot.owner is None else p.shape if slot.owner == self.rank else None
 
-    # -- per-step hyperparameters ------------------------------------------------------------------
+    def local(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the values the update changes in place, their averaged gradient) for this rank's part of p.
+        Sharded, the gradient is p's place in this rank's chunk, and a slice's values are a copy that
+        finish_step() shares."""
+        if not self.shard:
+            return p, p.grad
+        values = p if self._slot[p][1].owner is not None else self._own_slice(p)
+        self._updated[p] = values
+        return values, self._own_part(p)
 
-    def set_hyperparameters(self, values: list[dict]) -> None:
-        """Set per-step hyperparameters, one dict per param group (e.g. {"lr": 0.01}), with one copy."""
-        for j, (i, k) in enumerate(self._hyper_keys):
-            if k in values[i]:
-                self._hyper_host[j] = values[i][k]
-        self._hyper.copy_(self._hyper_host)
+    def sharding(self) -> dict:
+        """What a sharded state depends on: this rank, the world size, and which matrices it owns."""
+        if not self.shard:
+            return {"sharded": False}
+        owned = [[i for i, p in enumerate(ps) if self._slot[p][1].owner == self.rank] for ps in self._matrices]
+        return {"sharded": True, "rank": self.rank, "world_size": self.world_size, "owned_matrices": owned}
 
-    # -- gradient communication --------------------------------------------------------------------
+    # -- gradients, from the backward ----------------------------------------------------------------
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if p in self._packed:  # a further backward before step(): what was sent is out of date
             self._wait()
             self._packed.clear()
             self._launched = 0
-        if self.sync_in_backward:
+        if self.send_in_backward:
             self._pack(p)
             self._launch_full_buckets()
 
@@ -1097,22 +1209,31 @@ class MuonAdamW(torch.optim.Optimizer):
                     p.grad.copy_(average)
         self._grads_ready = True
 
-    def _share_weights(self) -> None:
-        """All-gather every rank's updated chunks and copy them into the parameters."""
-        for bucket in self.buckets:
-            bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
-        self._wait()
-        for bucket in self.buckets:
-            flat = bucket.flat.view(bucket.parts, bucket.chunk)
-            for p, slot in bucket.slots.items():
-                if slot.owner is not None:
-                    p.copy_(flat[slot.owner, slot.offset:slot.offset + p.numel()].view_as(p))
-                else:
-                    p.view(-1).copy_(flat[:, slot.offset:slot.offset + slot.size].reshape(-1)[:p.numel()])
+    # -- the updated weights, to every rank --------------------------------------------------------------
+
+    def finish_step(self) -> None:
+        """Sharded: write this rank's updated values into its chunks (where the spent gradients were),
+        all-gather every rank's chunks and copy them into the parameters. Then ready for the next step."""
+        if self.shard:
+            for p, values in self._updated.items():
+                self._own_part(p).copy_(values.view_as(self._own_part(p)))
+            for bucket in self.buckets:
+                bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
+            self._wait()
+            for bucket in self.buckets:
+                flat = bucket.flat.view(bucket.parts, bucket.chunk)
+                for p, slot in bucket.slots.items():
+                    if slot.owner is not None:
+                        p.copy_(flat[slot.owner, slot.offset:slot.offset + p.numel()].view_as(p))
+                    else:
+                        p.view(-1).copy_(flat[:, slot.offset:slot.offset + slot.size].reshape(-1)[:p.numel()])
+        self._packed.clear()
+        self._updated.clear()
+        self._launched, self._grads_ready = 0, False
 
     def _own_part(self, p: torch.Tensor) -> torch.Tensor:
         """Sharded: p's place in this rank's chunk (all of p, or this rank's slice of it), which holds
-        its averaged gradient until the update writes the new values there."""
+        its averaged gradient until finish_step() writes the new values there."""
         bucket, slot = self._slot[p]
         part = bucket.own[slot.offset:slot.offset + (p.numel() if slot.owner is not None else slot.size)]
         return part.view_as(p) if slot.owner is not None else part
@@ -1131,81 +1252,28 @@ class MuonAdamW(torch.optim.Optimizer):
             hook.remove()
         self._hooks = []
 
-    # -- the update --------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self):
-        self.wait_for_gradients()
-        for group, owned in zip(self.param_groups, self._owned):
-            if group["kind"] == "muon":
-                self._muon_step(group, owned)
-            else:
-                self._adamw_step(group)
-        if self.shard:
-            self._share_weights()
-        self._packed.clear()
-        self._launched, self._grads_ready = 0, False
+def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters in the order the backward completes their gradients, so that the first buckets
+    travel while it still runs: the reverse of the order the forward first uses them (the backward is
+    done with a parameter once it is back at its first use). Found by running the forward once on a
+    copy of the model on the meta device (no compute, no memory): no list to keep by hand."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    names, first_use = {id(p): name for name, p in twin.named_parameters()}, {}
 
-    def _adamw_step(self, group):
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if self.shard:
-                param, grad = self._own_slice(p), self._own_part(p)
-            elif p.grad is None:
-                continue
-            else:
-                param, grad = p, p.grad
-            state = self.state[p]
-            self._adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
-                               group["weight_decay"], beta1, beta2, group["eps"])
-            if self.shard:
-                grad.copy_(param)  # the gradient is spent: its place takes the new values
+    class RecordUse(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            for a in tree_leaves((args, kwargs)):
+                if id(a) in names:
+                    first_use.setdefault(names[id(a)], len(first_use))
+            return func(*args, **(kwargs or {}))
 
-    def _muon_step(self, group, owned):
-        if not owned:
-            return
-        # Sharded, the new values go where the (by then spent) gradients were, in this rank's chunks.
-        grads = [self._own_part(p) for p in owned] if self.shard else [p.grad for p in owned]
-        state = self.state[owned[0]]
-        new = self._muon_update(grads, owned, state["momentum"], state["second_moment"], group["lr"],
-                                group["momentum"], group["weight_decay"], group["beta2"], group["ns_steps"],
-                                group["ns_dtype"])
-        torch._foreach_copy_(grads if self.shard else owned, list(new.unbind(0)))
-
-    # -- checkpointing -----------------------------------------------------------------------------
-
-    def _sharding(self) -> dict:
-        """What a sharded state depends on: this rank, the world size, and which matrices it owns."""
-        if not self.shard:
-            return {"sharded": False}
-        owned = [[i for i, p in enumerate(g["params"]) if any(p is q for q in owned)]
-                 for g, owned in zip(self.param_groups, self._owned) if g["kind"] == "muon"]
-        return {"sharded": True, "rank": self.rank, "world_size": self.world_size, "owned_matrices": owned}
-
-    def state_dict(self) -> dict:
-        """Plain tensors and plain data (loads with weights_only=True); sharded, this rank's part only."""
-        return {**super().state_dict(), "sharding": self._sharding()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("sharding", {"sharded": False})
-        if saved != self._sharding():
-            raise ValueError(f"optimizer state saved as {saved} cannot be loaded here ({self._sharding()}): resume "
-                             "with the same world size, --shard-optimizer and --grad-bucket-mb, each rank loading "
-                             "its own file")
-        live = {(i, k): self.param_groups[i][k] for i, k in self._hyper_keys}
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
-        # Keep the hyperparameter tensors the compiled updates were traced with; take the saved values.
-        for (i, k), tensor in live.items():
-            tensor.copy_(torch.as_tensor(self.param_groups[i][k]))
-            self.param_groups[i][k] = tensor
-        self._hyper_host.copy_(self._hyper)
-        for p, state in self.state.items():
-            if "step" in state:
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor))
+    with RecordUse():
+        twin(torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    params = dict(model.named_parameters())
+    unused = [p for name, p in params.items() if name not in first_use]  # no gradient at all: last
+    return [params[name] for name in sorted(first_use, key=first_use.get, reverse=True)] + unused
 
 
 def flag_is_on(value: str, auto: bool, flag: str) -> bool:
@@ -1217,44 +1285,26 @@ def flag_is_on(value: str, auto: bool, flag: str) -> bool:
 
 def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | None = torch.bfloat16,
                     compile_backend: str = "inductor") -> MuonAdamW:
-    """Param groups: AdamW for the head, embedding and scalars, Muon for each shape of block matrix.
-    ns_dtype: precision of the Polar Express iteration (None: fp32). compile_backend: torch.compile's
-    backend for the update (the device profile's), used where --compile-optimizer is on. Under
-    torchrun the optimizer averages the gradients over the ranks itself, sharded per --shard-optimizer."""
-    width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
-    adam = dict(kind="adamw", betas=(hp.adam_beta1, hp.adam_beta2), eps=1e-10, weight_decay=0.0)
-    groups = [
-        dict(params=[model.lm_head.weight], lr=hp.unembedding_lr * width_scale, **adam),
-        dict(params=[model.wte.weight], lr=hp.embedding_lr * width_scale, **adam),
-        dict(params=[model.resid_lambdas], lr=hp.scalar_lr * 0.01, **adam),
-        dict(params=[model.x0_lambdas], lr=hp.scalar_lr, **{**adam, "betas": (0.96, 0.95)}),
-    ]
-    matrices = list(model.blocks.parameters())
-    for shape in sorted({tuple(p.shape) for p in matrices}):
-        groups.append(dict(kind="muon", params=[p for p in matrices if tuple(p.shape) == shape], lr=hp.matrix_lr,
-                           momentum=hp.muon_momentum_start, ns_steps=hp.muon_ns_steps, ns_dtype=ns_dtype or torch.float32,
-                           beta2=hp.muon_beta2,
-                           weight_decay=hp.weight_decay))
-    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters())), "a parameter has no group"
-    for g in groups:
-        g["initial_lr"] = g["lr"]
+    """MuonAdamW over parameter_groups(model, ...), its update compiled with `compile_backend` (the device
+    profile's) where --compile-optimizer is on. Under torchrun its transport averages the gradients over
+    the ranks, sharded per --shard-optimizer. ns_dtype: Polar Express's precision (None: fp32)."""
+    groups = parameter_groups(model, hp, ns_dtype)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    # The order the backward produces gradients in (the head first, the embedding last), so that the
-    # first buckets travel while the backward still runs.
-    ready_order = [model.lm_head.weight, *reversed(matrices), model.resid_lambdas, model.x0_lambdas, model.wte.weight]
+    ready_order = gradient_ready_order(model) if world_size > 1 else None
     bucket_bytes = int(hp.grad_bucket_mb * 2**20)
     # Sharding sends as much as averaging does (a reduce-scatter and an all-gather make an all-reduce),
     # plus the padding, and saves state and update work on every rank: auto shards unless the
     # matrices deal out too unevenly over the ranks (few matrices, many ranks).
-    padding = sum(b.padding for b in plan_buckets(ready_order, set(matrices), world_size, bucket_bytes // 4)) \
+    whole = {p for g in groups if g["kind"] == "muon" for p in g["params"]}
+    padding = sum(b.padding for b in plan_buckets(ready_order or [], whole, world_size, bucket_bytes // 4)) \
         / model.num_params()
     shard = flag_is_on(hp.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
     compiled = flag_is_on(hp.compile_optimizer, hp.compile, "--compile-optimizer")
-    optimizer = MuonAdamW(groups, rank, world_size, shard, compile_backend if compiled else None, ready_order,
-                          bucket_bytes)
+    transport = GradientTransport(groups, rank, world_size, shard, ready_order, bucket_bytes)
+    optimizer = MuonAdamW(groups, transport, compile_backend if compiled else None)
     line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
     if world_size > 1:
-        line += f" | gradients in {len(optimizer.buckets)} buckets over {world_size} ranks, " + \
+        line += f" | gradients in {len(transport.buckets)} buckets over {world_size} ranks, " + \
             (f"sharded (ZeRO-1, padding {100 * padding:.1f}%)" if shard else
              f"not sharded (sharded, the layout would pad {100 * padding:.1f}%)")
     print0(f"{line} | state {optimizer.state_bytes() / 2**20:.1f} MiB on this rank")
@@ -1304,12 +1354,13 @@ def train_step(model: nn.Module, optimizer: MuonAdamW, batches, grad_accum_steps
     optimizer averages the gradients: the last micro-batch's backward sends them bucket by bucket as
     they become ready, and optimizer.step() waits for them.
     Returns (mean loss on this rank, as a tensor; the loader state of the last batch)."""
-    if world_size != optimizer.world_size:
-        raise ValueError(f"train_step for {world_size} ranks got an optimizer built for {optimizer.world_size}")
+    if world_size != optimizer.transport.world_size:
+        raise ValueError(f"train_step for {world_size} ranks got an optimizer built for "
+                         f"{optimizer.transport.world_size}")
     loss_sum = None
     for micro_step in range(grad_accum_steps):
         x, y, state = next(batches)
-        optimizer.sync_in_backward = micro_step == grad_accum_steps - 1  # earlier backwards only accumulate
+        optimizer.transport.send_in_backward = micro_step == grad_accum_steps - 1  # the others only accumulate
         loss = model(x, y)
         (loss / grad_accum_steps).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
@@ -1700,10 +1751,8 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
         ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
         ("peak_source", f"{profile.peak_source} (per rank; MFU's denominator)"),
     ]
-    comm_seconds = getattr(optimizer, "comm_seconds", None)  # set by an optimizer that communicates itself
-    if comm_seconds is not None:
-        summary.append(("comm_seconds_per_step", f"{comm_seconds / len(step_times):.4f}"))
     summary += [
+        ("comm_seconds_per_step", f"{optimizer.transport.comm_seconds / len(step_times):.4f}"),
         ("peak_memory_mb", f"{peak_memory_mb(device):.1f}"),
         ("num_params_M", f"{model.num_params() / 1e6:.1f}"),
         ("depth", config.n_layer),

@@ -110,16 +110,16 @@ def shard_worker(hp: T.Hyperparameters, steps: int, warmup: int, out: str) -> No
             optimizer.step()
             times.append(time.perf_counter() - t0)
             if k == warmup - 1:
-                optimizer.comm_seconds = 0.0
-        measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.comm_seconds / steps,
+                optimizer.transport.comm_seconds = 0.0
+        measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.transport.comm_seconds / steps,
                     "state_bytes": optimizer.state_bytes(),
-                    "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.buckets
+                    "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.transport.buckets
                                         for t in (b.flat, b.own) if t is not None)}
         rows[mode] = measured
-        optimizer.remove_hooks()
+        optimizer.transport.remove_hooks()
         model.zero_grad(set_to_none=True)
     # One file per rank, no collective after the optimizer's last: a gloo work whose tensors die in
-    # its own thread aborts a process at exit (see MuonAdamW._wait).
+    # its own thread aborts a process at exit (see GradientTransport._wait).
     with open(f"{out}.{rank}", "w") as f:
         json.dump(rows, f)
     dist.destroy_process_group()

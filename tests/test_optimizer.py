@@ -95,8 +95,7 @@ def test_state_dict_round_trip_restores_state_and_hyperparameters(tmp_path):
 def test_bucket_layouts_cover_every_parameter_once_and_shard_evenly():
     with torch.device("meta"):
         model = T.GPT(T.model_config(T.Hyperparameters()))  # the default d10: 60 block matrices
-    order = [model.lm_head.weight, *reversed(list(model.blocks.parameters())), model.resid_lambdas,
-             model.x0_lambdas, model.wte.weight]
+    order = T.gradient_ready_order(model)
     whole = set(model.blocks.parameters())
     total = model.num_params()
     for parts in (1, 2, 4, 8, 64):
@@ -125,6 +124,38 @@ def test_bucket_layouts_cover_every_parameter_once_and_shard_evenly():
             assert len(buckets) == 1 and padding > T.SHARD_MAX_PADDING * total
 
 
+def test_the_ready_order_is_the_order_the_backward_completes_gradients():
+    """gradient_ready_order (from a forward on the meta device) against the order in which a real
+    backward's post-accumulate hooks fire, on a model where every parameter gets a gradient."""
+    model = tiny_model()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.c_proj.weight.normal_(0, 0.02)
+            block.attn.c_proj.weight.normal_(0, 0.02)
+    seen = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: seen.append(p)) for p in model.parameters()]
+    idx = torch.randint(0, 8000, (2, 16))
+    model(idx, idx).backward()
+    for hook in hooks:
+        hook.remove()
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert len(seen) == len(names)
+    assert [names[id(p)] for p in T.gradient_ready_order(model)] == [names[id(p)] for p in seen]
+
+
+def test_the_parameter_table_and_the_schedule_refuse_what_they_do_not_know():
+    model = tiny_model()
+    model.extra = torch.nn.Parameter(torch.zeros(3))  # a new parameter without a row in the table
+    with pytest.raises(ValueError, match=r"parameters \['extra'\] have no row in parameter_groups' table"):
+        T.build_optimizer(model, T.parse_hyperparameters(TINY))
+    optimizer = T.build_optimizer(tiny_model(), T.parse_hyperparameters(TINY))
+    kinds = [g["kind"] for g in optimizer.param_groups]
+    values = [{"lr": 0.1} for _ in kinds]
+    values[kinds.index("adamw")]["momentum"] = 0.9  # Muon's, not AdamW's
+    with pytest.raises(KeyError, match="schedules \\['lr', 'weight_decay'\\], not 'momentum'"):
+        optimizer.set_hyperparameters(values)
+
+
 def test_optimizer_flags_are_checked():
     model = tiny_model()
     for flag in ("--shard-optimizer", "--compile-optimizer"):
@@ -132,7 +163,7 @@ def test_optimizer_flags_are_checked():
         with pytest.raises(ValueError, match=f"{flag} must be on, off or auto, got 'maybe'"):
             T.build_optimizer(model, hp)
     auto = T.build_optimizer(model, T.parse_hyperparameters(TINY))
-    assert not auto.shard and auto._adamw_update is T.adamw_update  # one process; compiled only with --compile
+    assert not auto.transport.shard and auto._adamw_update is T.adamw_update  # one process; compiled only with --compile
     assert T.build_optimizer(model, T.parse_hyperparameters([*TINY, "--compile"]))._adamw_update is not T.adamw_update
     with pytest.raises(ValueError, match="train_step for 2 ranks got an optimizer built for 1"):
         T.train_step(model, auto, iter([]), 1, 2)
