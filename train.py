@@ -1,8 +1,10 @@
 """
-The baseline: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
-This is the one file a participant edits. It reads top to bottom: hyperparameters, devices,
-model (with an inline NKI kernel), optimizer, schedules, training step, checkpoint, batch geometry,
-main(). Sizing a run for a budget is a tool beside it: python tools/plan.py (it imports this file).
+The baseline recipe: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
+This is the one file a participant edits. The recipe comes first, top to bottom: its hyperparameters,
+the model and its loss, the optimizer's update rule and parameter table, the schedules, the training
+step and loop, load_for_eval. Under the banner "Machinery" follows what a run needs and a recipe
+rarely touches: devices, kernel routing (with the inline NKI kernel), gradient communication and
+ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the command line, main().
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks
@@ -12,8 +14,10 @@ main(). Sizing a run for a budget is a tool beside it: python tools/plan.py (it 
 
 Every hyperparameter is a flag (--depth 12, --matrix-lr 0.03, ...); the organisers' spellings
 (--num-steps, --max-train-seconds, --device-type) and NEURON_COMPETITION_R1_* variables work too.
-The run writes out/final.pt and prints a summary after `---`; --save-every SECONDS and --resume
-out/state make a long run resumable. The scorer imports this file and calls load_for_eval().
+It imports from prepare.py only the names the organisers' prepare.py has, so it runs under their
+harness as under this kit's. The run writes out/final.pt and prints a summary after `---`;
+--save-every SECONDS and --resume out/state make a long run resumable. The scorer imports this file
+and calls load_for_eval(). Sizing a run for a budget is a tool beside it: python tools/plan.py.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -38,27 +43,27 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from prepare import (EVAL_SEQ_LEN, TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_STEPS_EXCLUDED, TRAIN_TIME_BUDGET_SECONDS,
-                     HarnessError, budget_status, default_out_dir, default_train_eval_public, default_train_eval_tokens,
-                     detect_device_type, ensure_tokenizer, env_setting, evaluate_bpb, get_dist_info, make_dataloader,
-                     median_step_seconds, print0, record_step_boundary, resume_ledger)
+from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED,
+                     TRAIN_TIME_BUDGET_SECONDS, ensure_tokenizer, evaluate_bpb, get_dist_info, make_dataloader, print0,
+                     record_step_boundary)
 
-# -----------------------------------------------------------------------------------------------
-# Hyperparameters: every field is also a flag (--depth 12, --matrix-lr 0.03, --nki-relu2)
-# -----------------------------------------------------------------------------------------------
+# ===============================================================================================
+# THE RECIPE
+# ===============================================================================================
 
 
 @dataclass
-class Hyperparameters:
+class Recipe:
+    """The hyperparameters: everything that changes the training trajectory. Each is a flag (--depth 12,
+    --matrix-lr 0.03, ...), and --resume continues only a run of the same recipe. How a run executes
+    around it (device, compilation, kernels, output, snapshots) is RunOptions, under the banner below."""
     # Model
     depth: int = 10  # transformer blocks; depth 10 at aspect ratio 64 is ~59.6M parameters
     aspect_ratio: int = 64  # width = depth * aspect_ratio, rounded up to a multiple of head_dim
     head_dim: int = 128  # 128 matches the 128x128 TensorEngine and the 128-lane SBUF partitions
-    seq_len: int = 2048  # training context; the scorer evaluates at prepare.EVAL_SEQ_LEN
+    seq_len: int = 2048  # training context; the scorer evaluates at EVAL_SEQ_LEN
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
-    chunked_loss: bool = True  # head + softcap + loss in LOSS_CHUNKS slices of rows (never the full fp32 logits);
-                               # --no-chunked-loss: the plain path, e.g. to compare on a new device
     # Batch
     total_batch_size: int = 2**18  # tokens per optimizer step, all ranks together; half of autoresearch's
                                    # 2**19, since at a fixed budget more steps win
@@ -77,463 +82,22 @@ class Hyperparameters:
     muon_momentum_warmup_ratio: float = 0.15  # ... over this fraction of the budget
     muon_ns_steps: int = 5  # Polar Express iterations
     muon_beta2: float = 0.95  # NorMuon's second-moment decay
-    compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
-                                     # small ones: on, off, auto (on with --compile)
-    shard_optimizer: str = "auto"  # ZeRO-1 across ranks: each keeps state for, and updates, only its share:
-                                   # on, off, auto (on unless the matrices deal out unevenly, see build_optimizer)
-    grad_bucket_mb: float = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
     # Schedule, keyed to training progress (see training_progress: charged time, or steps when max_steps is set)
     warmup_ratio: float = 0.0
     warmdown_ratio: float = 0.5  # the last half of the budget decays the learning rate linearly
     final_lr_frac: float = 0.0  # learning rate at the end, as a fraction of the peak
-    # Run
-    time_budget: float = float(TRAIN_TIME_BUDGET_SECONDS)  # seconds of charged time (prepare's ledger), save included
+    # Length and numerics
+    time_budget: float = float(TRAIN_TIME_BUDGET_SECONDS)  # seconds of charged time (see BudgetClock), save included
     max_steps: int = 0  # stop after this many steps, and schedule on steps instead of time (0: the budget decides)
-    eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
-    eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
     seed: int = 42
-    device: str = ""  # neuron, cuda or cpu; empty (or auto): the fastest present
     dtype: str = "auto"  # compute dtype of matmuls: auto (bf16 where the device is fast at it), bf16, fp32
-    compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
-    nki_relu2: bool = False  # the MLP activation as the inline NKI kernel below (neuron device only)
-    nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
-    nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
-    nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
-    out_dir: str = "out"
-    save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none); a crash then
-                             # loses at most this much training
-    resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same flags
-    log_every: int = 10  # print a progress line every this many steps
-    inject_nan_step: int = -1  # test hook: make the loss NaN at this step, to exercise the failure path
-
-
-# The organisers' baseline train.py spells three flags differently and reads four settings from the
-# environment. Both spellings are accepted with the same meaning. Precedence, lowest first: the
-# defaults above, --preset, the environment, the command line.
-OFFICIAL_FLAG_NAMES = {"max_steps": "--num-steps", "time_budget": "--max-train-seconds", "device": "--device-type"}
-OFFICIAL_ENVIRONMENT = {"max_steps": "NEURON_COMPETITION_R1_NUM_STEPS",
-                        "time_budget": "NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",
-                        "compile": "NEURON_COMPETITION_R1_COMPILE",
-                        "nki_relu2": "NEURON_COMPETITION_R1_NKI_RELU2"}
-# Three more settings the organisers' prepare.py reads for train.py; the harness resolves them (the kit's
-# FRONTIER_* name or the organisers' name), so train.py writes where `prepare.py eval-public` looks.
-HARNESS_ENVIRONMENT = {"out_dir": ("out_dir", default_out_dir), "eval_public": ("eval_public", default_train_eval_public),
-                       "eval_tokens": ("eval_tokens", default_train_eval_tokens)}
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-PRESETS = {
-    # A laptop CPU for 5 minutes: the winner of benchmarks/preset_sweep.py at 300 s on the 2-core
-    # machine (val_bpb 1.265 against 1.585 for the depth-4, width-384 model it replaced; table in the
-    # README). Small (4.5M parameters, 0.7 tokens each in 5 minutes) and short rows, so ~700 steps of 4K
-    # tokens; compiled, because eager elementwise work on the 8192-wide logits dominates a CPU step.
-    "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
-                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20),
-    # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
-    "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0),
-    # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
-    # `tools/plan.py --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
-    # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
-    # model's weights, gradients, optimizer state and activations well inside a rank's 24 GiB at LNC=2 (an
-    # estimate: measure peak_memory_mb on the machine). A snapshot every 30 minutes bounds what a crash costs.
-    "phase2": dict(depth=23, total_batch_size=2**19, device_batch_size=2, time_budget=14400.0, save_every=1800.0),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Flags for every Hyperparameters field (with the official spelling beside ours where it differs)
-    and --preset."""
-    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
-    for f in dataclasses.fields(Hyperparameters):
-        official = [OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else []
-        flags = ["--" + f.name.replace("_", "-"), *official]
-        help_text = f"default: {f.default!r} (see Hyperparameters)"
-        if f.name in OFFICIAL_ENVIRONMENT:
-            help_text += f"; environment: {OFFICIAL_ENVIRONMENT[f.name]}"
-        if f.name in HARNESS_ENVIRONMENT:
-            theirs = HARNESS_ENVIRONMENT[f.name][0].upper()
-            help_text += f"; environment: NEURON_COMPETITION_R1_{theirs} or FRONTIER_{theirs}"
-        if f.type in ("bool", bool):
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        else:
-            parser.add_argument(*flags, dest=f.name, type={"int": int, "float": float, "str": str}[str(f.type)],
-                                default=None, help=help_text)
-    return parser
-
-
-def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) -> tuple[dict, dict]:
-    """Hyperparameters set by the organisers' environment variables (and the harness's output and
-    evaluation settings): ({field: value}, {field: "VAR=value"})."""
-    types = {f.name: str(f.type) for f in dataclasses.fields(Hyperparameters)}
-    values, used = {}, {}
-    for name, var in OFFICIAL_ENVIRONMENT.items():
-        raw = environ.get(var, "").strip()
-        if not raw:
-            continue
-        try:
-            if types[name] == "bool":
-                if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
-                    raise ValueError
-                values[name] = raw.lower() in TRUE_WORDS
-            else:
-                values[name] = {"int": int, "float": float}[types[name]](raw)
-        except ValueError:
-            kind = {"bool": f"one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}", "int": "an integer",
-                    "float": "a number"}[types[name]]
-            parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
-        used[name] = f"{var}={raw}"
-    for name, (setting, resolve) in HARNESS_ENVIRONMENT.items():
-        try:
-            raw, var = env_setting(setting)
-            if raw is not None:
-                values[name], used[name] = resolve(), f"{var}={raw}"
-        except HarnessError as e:
-            parser.error(str(e))
-    return values, used
-
-
-def parse_command_line(argv=None, parser=None) -> tuple[Hyperparameters, argparse.Namespace, list[str]]:
-    """(hyperparameters, the parsed arguments, one note per environment variable used). `parser`: build_parser()
-    with more arguments (a tool's), by default build_parser() itself."""
-    parser = parser or build_parser()
-    args = parser.parse_args(argv)
-    values = dict(PRESETS[args.preset]) if args.preset else {}
-    from_env, used = environment_settings(parser)
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hyperparameters)
-             if getattr(args, f.name) is not None}
-    notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
-                                                              else "") for name, setting in used.items()]
-    values.update(from_env)
-    values.update(given)
-    return Hyperparameters(**values), args, notes
-
-
-def parse_hyperparameters(argv=None) -> Hyperparameters:
-    """Flags for every Hyperparameters field; --preset NAME sets several at once, explicit flags win."""
-    return parse_command_line(argv)[0]
-
-
-# -----------------------------------------------------------------------------------------------
-# Devices: everything device-specific lives here
-# -----------------------------------------------------------------------------------------------
-
-NEURONCORE_BF16_FLOPS = 79e12  # per physical NeuronCore-v3 (Trainium2: 8 per chip, 667 TFLOPS)
-CUDA_BF16_FLOPS = {"H100": 989.5e12, "H200": 989.5e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12,
-                   "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "4090": 165.2e12}  # dense bf16 datasheets
-
-
-@dataclass
-class DeviceProfile:
-    type: str  # neuron, cuda or cpu
-    dist_backend: str  # torch.distributed backend for this device
-    compute_dtype: torch.dtype | None  # autocast dtype of the forward pass; None: fp32
-    compile_backend: str
-    peak_flops: float  # per process, for MFU: datasheet peak, or measured (cpu)
-    peak_source: str
-
-
-# The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
-# process. On a shared 2-vCPU machine the best of ten two-thread 2048^2 bf16 matmuls (the peak this
-# replaced) measured 58-204 GFLOP/s across eight busy processes and 399-418 once the machine was quieter:
-# a multi-threaded call waits for its slowest thread, and a call of tens of milliseconds rarely runs
-# without another process taking one of the cores. One thread on calls of ~1 ms, best of many, measured
-# 446-451 (x2 threads) in the same processes, busy or quiet: interference only slows a call, so the best
-# call is the core's own speed. The larger sizes count on a quiet machine, where they may run faster.
-CPU_PEAK_SIZES = (256, 512, 1024)
-CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
-CPU_PEAK_MIN_CALLS = 3
-
-
-def cpu_threads() -> int:
-    """The threads this process's matmuls run on: torch's intra-op threads, at most the CPUs it may use."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(torch.get_num_threads(), usable))
-
-
-def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: float = CPU_PEAK_SECONDS) -> float:
-    """Peak matmul FLOP/s of this process on the CPU: the best single-thread n x n matmul (over `sizes`
-    and repeated calls, after a warm-up call that builds the kernel) times cpu_threads()."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        best = 0.0
-        for n in sizes:
-            a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-            torch.matmul(a, b, out=c)
-            calls, end = 0, time.perf_counter() + seconds
-            while calls < CPU_PEAK_MIN_CALLS or time.perf_counter() < end:
-                t0 = time.perf_counter()
-                torch.matmul(a, b, out=c)
-                best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-                calls += 1
-    finally:
-        torch.set_num_threads(threads)
-    return best * cpu_threads()
-
-
-def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | None:
-    """The autocast dtype of the forward pass: bf16 where the device is fast at it, else fp32 (None)."""
-    if dtype not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"--dtype must be auto, bf16 or fp32, got {dtype!r}")
-    if dtype != "auto":
-        return torch.bfloat16 if dtype == "bf16" else None
-    if device_type == "neuron":
-        return torch.bfloat16
-    if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    # CPUs with AMX / AVX-512 BF16 run bf16 matmuls ~3x faster than fp32; on others bf16 is slow.
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
-
-
-def device_profile(device_type: str, dtype: str = "auto") -> DeviceProfile:
-    compute = compute_dtype_for(device_type, dtype)
-    if device_type == "neuron":
-        lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))  # physical cores behind one rank
-        return DeviceProfile("neuron", "neuron", compute, "neuron", NEURONCORE_BF16_FLOPS * lnc,
-                             f"datasheet, {lnc} NeuronCore(s) per rank")
-    if device_type == "cuda":
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
-        if peak is None:
-            return DeviceProfile("cuda", "nccl", compute, "inductor", _measure_cuda_flops(),
-                                 f"measured bf16 matmul on {name}")
-        return DeviceProfile("cuda", "nccl", compute, "inductor", peak, f"datasheet, {name}")
-    if device_type == "cpu":
-        peak = measure_matmul_flops(compute or torch.float32)
-        return DeviceProfile("cpu", "gloo", compute, "inductor", peak,
-                             f"best 1-thread {'bf16' if compute else 'fp32'} matmul of n = "
-                             f"{'/'.join(map(str, CPU_PEAK_SIZES))} here x {cpu_threads()} threads")
-    raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
-
-
-def _measure_cuda_flops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    a @ a
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (time.perf_counter() - t0)
-
-
-def init_distributed(profile: DeviceProfile) -> tuple[torch.device, int, int]:
-    """(device, rank, world_size) for this process; joins the process group under torchrun."""
-    ddp, rank, local_rank, world_size = get_dist_info()
-    if profile.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device(profile.type)
-    if ddp:
-        kwargs = {"device_id": device} if profile.type == "cuda" else {}
-        dist.init_process_group(backend=profile.dist_backend, **kwargs)
-    return device, rank, world_size
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued device work, so host timers measure it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "neuron":
-        torch.neuron.synchronize()
-
-
-def autocast_context(device_type: str, dtype: torch.dtype | None):
-    """Matmuls in `dtype`; None: as they are (fp32), with no autocast at all (the meta device has none)."""
-    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    if device.type == "neuron":
-        try:
-            import torch_neuronx
-            return torch_neuronx.max_memory_allocated() / 2**20
-        except Exception:
-            return float("nan")
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process's peak RSS
-
-
-# -----------------------------------------------------------------------------------------------
-# Kernels: the inline NKI kernel relu(x)^2 (the template for kernels/), and the --nki-* flags' routing
-# -----------------------------------------------------------------------------------------------
-# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI
-# kernels (defined only where nki imports), an autograd.Function that runs either, and a public op that
-# takes the kernel where the tensor fits it and the reference elsewhere, saying so once. The kernels see
-# an [N, D] tensor in HBM as tiles of 128 rows (SBUF partitions): load a tile, compute with ScalarE /
-# VectorE instructions (fp32 inside the engines), store it. A launch runs one instance per physical core
-# of the rank's logical core (NEURON_LOGICAL_NC_CONFIG: 1 or 2), and instance nl.program_id(0) takes its
-# share of the tiles. This one needs nothing from kernels/, so --nki-relu2 runs under the organisers' kit.
-
-try:
-    import nki
-    import nki.isa as nisa
-    import nki.language as nl
-    HAS_NKI = True
-except ImportError:
-    HAS_NKI = False
-
-NKI_PARTITIONS = 128  # rows per tile: the SBUF partition count
-NKI_MAX_FREE = 8192  # columns per tile: 8 bytes per element in flight, well under 224 KiB per partition
-NKI_NOTICES: set = set()  # the reasons a tensor ran the reference instead, each said once
-
-
-def relu2_forward_reference(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
-
-
-def relu2_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return 2 * F.relu(x) * grad
-
-
-if HAS_NKI:
-    @nki.jit
-    def relu2_forward_kernel(x):
-        """y = relu(x)^2 for x [N, D] in HBM; N % (128 * cores) == 0, D <= NKI_MAX_FREE."""
-        n, d = x.shape
-        y = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
-        tiles = n // NKI_PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
-        for i in nl.affine_range(tiles):
-            r = nl.ds((nl.program_id(0) * tiles + i) * NKI_PARTITIONS, NKI_PARTITIONS)
-            x_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r, :])
-            relu = nl.ndarray((NKI_PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=relu, op=nl.relu, data=x_tile)
-            y_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=y_tile, data1=relu, data2=relu, op=nl.multiply)
-            nisa.dma_copy(dst=y[r, :], src=y_tile)
-        return y
-
-    @nki.jit
-    def relu2_backward_kernel(x, grad):
-        """dx = 2 * relu(x) * grad for x, grad [N, D] in HBM; N % (128 * cores) == 0, D <= NKI_MAX_FREE."""
-        n, d = x.shape
-        dx = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
-        tiles = n // NKI_PARTITIONS // nl.num_programs()
-        for i in nl.affine_range(tiles):
-            r = nl.ds((nl.program_id(0) * tiles + i) * NKI_PARTITIONS, NKI_PARTITIONS)
-            x_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_tile, src=x[r, :])
-            g_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=grad.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=g_tile, src=grad[r, :])
-            relu = nl.ndarray((NKI_PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=relu, op=nl.relu, data=x_tile)
-            dx_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=dx_tile, data=relu, op0=nl.multiply, operand0=2.0,
-                                      op1=nl.multiply, operand1=g_tile)
-            nisa.dma_copy(dst=dx[r, :], src=dx_tile)
-        return dx
-
-
-def launch_on_rows(kernel, *tensors: torch.Tensor) -> torch.Tensor:
-    """Run a row-tiled kernel on [N, D] views of same-shaped tensors, one instance per physical core of
-    the logical core, through torch-neuronx's wrap_nki where it imports; reshape the result back."""
-    shape = tensors[0].shape
-    rows = [t.reshape(-1, shape[-1]).contiguous() for t in tensors]
-    return nki_launcher()(kernel)[int(os.environ["NEURON_LOGICAL_NC_CONFIG"])](*rows).reshape(shape)
-
-
-@functools.cache
-def nki_launcher():
-    for module in ("torch_neuronx", "torch_neuronx.nki_hop"):  # where torch-neuronx releases keep wrap_nki
-        try:
-            return importlib.import_module(module).wrap_nki
-        except (ImportError, AttributeError):
-            pass
-    return lambda kernel: kernel  # nki's own launch (as on its simulator)
-
-
-class ReLUSquared(torch.autograd.Function):
-    """relu(x)^2, forward and backward as the NKI kernels (use_kernel=True) or the reference (False)."""
-
-    @staticmethod
-    def forward(ctx, x, use_kernel: bool):
-        ctx.save_for_backward(x)
-        ctx.use_kernel = use_kernel
-        return launch_on_rows(relu2_forward_kernel, x) if use_kernel else relu2_forward_reference(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        if ctx.use_kernel:
-            return launch_on_rows(relu2_backward_kernel, x, grad), None
-        return relu2_backward_reference(x, grad), None
-
-
-def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 as the kernel pair where x fits it; elsewhere the reference, saying why once."""
-    cores, rows = int(os.environ["NEURON_LOGICAL_NC_CONFIG"]), x.numel() // x.shape[-1]
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] > NKI_MAX_FREE:
-        why = f"shape {tuple(x.shape)} {x.dtype} does not fit (width <= {NKI_MAX_FREE}, bf16/fp32)"
-    elif rows % (NKI_PARTITIONS * cores):
-        why = f"{rows} rows do not split into {NKI_PARTITIONS}-row tiles evenly over {cores} physical cores"
-    else:
-        return ReLUSquared.apply(x, True)
-    if why not in NKI_NOTICES:
-        NKI_NOTICES.add(why)
-        print0(f"notice: relu2: {why}; using the PyTorch reference")
-    return relu2_forward_reference(x)
-
-
-KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors; filled from the --nki-* flags
-
-
-def enable_kernels(options) -> None:
-    """Route the ops named by the --nki-* flags to their kernels (for tensors on the neuron device)."""
-    if options.nki_relu2:
-        KERNELS["relu2"] = relu_squared_nki
-    if options.nki_rmsnorm:
-        import kernels.rmsnorm
-        KERNELS["rmsnorm"] = kernels.rmsnorm.rms_norm
-    if options.nki_rope_qknorm:
-        import kernels.rope_qknorm
-        KERNELS["rope_qknorm"] = kernels.rope_qknorm.rope_qknorm
-    if options.nki_softcap_ce:
-        import kernels.softcap_ce
-        KERNELS["softcap_ce"] = kernels.softcap_ce.softcap_cross_entropy
-
-
-def setup_kernels(options, device_type: str) -> None:
-    """Check that the --nki-* flags can run here, then enable them; stop with the reason otherwise."""
-    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(options) if f.name.startswith("nki_")
-             and getattr(options, f.name)]
-    if not flags:
-        return
-    if not (device_type == "neuron" and HAS_NKI):
-        raise SystemExit(f"error: {' '.join(flags)} run NKI kernels, which need the neuron device and the nki "
-                         f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
-                         "Drop the flag here, or run on a Trainium machine.")
-    if options.compile:
-        raise SystemExit(f"error: --compile with {' '.join(flags)}: the kernels are called from "
-                         "torch.autograd.Functions in eager mode, and the kit does not register them as "
-                         "torch.compile custom ops (torch_neuronx.nki_op with register_autograd). Drop --compile, "
-                         "or the --nki-* flags.")
-    cores = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
-    if cores not in ("1", "2"):  # a kernel's core count must equal the compiler's and the runtime's
-        raise SystemExit(f"error: {' '.join(flags)}: NEURON_LOGICAL_NC_CONFIG is {cores!r}; the NKI kernels launch "
-                         "one instance per physical core of the logical core and need it set to 1 or 2, e.g. "
-                         "NEURON_LOGICAL_NC_CONFIG=2 torchrun --nproc_per_node=4 train.py ...")
-    if flags != ["--nki-relu2"]:  # the kernels/ modules check the nki release they were written for
-        from kernels.common import installed_nki_version, nki_version_problem
-        problem = nki_version_problem(installed_nki_version())
-        if problem:
-            raise SystemExit(f"error: {' '.join(flags)}: {problem}")
-    enable_kernels(options)
-
-
-def on_kernel(name: str, x: torch.Tensor):
-    """The NKI implementation of op `name` if it is enabled and x lives on the neuron device."""
-    return KERNELS.get(name) if x.device.type == "neuron" else None
 
 
 # -----------------------------------------------------------------------------------------------
 # Model: GPT with untied embedding/head, RMSNorm, rotary embeddings, QK-norm, ReLU^2, softcap
 # -----------------------------------------------------------------------------------------------
+
+EVAL_SEQ_LEN = 1024  # the scorer's evaluation context (the organisers' and this kit's): the rotary tables cover it
 
 
 @dataclass
@@ -547,10 +111,11 @@ class GPTConfig:
     rope_base: float = 10000.0
 
 
-def model_config(hp: Hyperparameters, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> GPTConfig:
-    width = -(-hp.depth * hp.aspect_ratio // hp.head_dim) * hp.head_dim
-    return GPTConfig(sequence_len=hp.seq_len, vocab_size=vocab_size, n_layer=hp.depth, n_head=width // hp.head_dim,
-                     n_embd=width, logit_softcap=hp.logit_softcap, rope_base=hp.rope_base)
+def model_config(recipe: Recipe, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> GPTConfig:
+    width = -(-recipe.depth * recipe.aspect_ratio // recipe.head_dim) * recipe.head_dim
+    return GPTConfig(sequence_len=recipe.seq_len, vocab_size=vocab_size, n_layer=recipe.depth,
+                     n_head=width // recipe.head_dim, n_embd=width, logit_softcap=recipe.logit_softcap,
+                     rope_base=recipe.rope_base)
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
@@ -972,7 +537,7 @@ class MuonAdamW(torch.optim.Optimizer):
                    if isinstance(t, torch.Tensor))
 
 
-def parameter_groups(model: GPT, recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[dict]:
+def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[dict]:
     """The per-parameter table: which rule updates each parameter, and how. A new parameter is one row
     (a forgotten one is an error that names it). ns_dtype: Polar Express's precision (None: fp32)."""
     width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
@@ -1001,6 +566,533 @@ def parameter_groups(model: GPT, recipe, ns_dtype: torch.dtype | None = torch.bf
         g["initial_lr"] = g["lr"]
     return groups
 
+
+# -----------------------------------------------------------------------------------------------
+# Schedules: functions of progress = charged seconds / training seconds, in [0, 1]
+# -----------------------------------------------------------------------------------------------
+
+
+def lr_multiplier(progress: float, recipe: Recipe) -> float:
+    if progress < recipe.warmup_ratio:
+        return progress / recipe.warmup_ratio
+    if progress <= 1.0 - recipe.warmdown_ratio:
+        return 1.0
+    cooldown = max(0.0, (1.0 - progress) / recipe.warmdown_ratio)
+    return cooldown + (1.0 - cooldown) * recipe.final_lr_frac
+
+
+def muon_momentum(progress: float, recipe: Recipe) -> float:
+    ramp = min(1.0, progress / recipe.muon_momentum_warmup_ratio) if recipe.muon_momentum_warmup_ratio > 0 else 1.0
+    return recipe.muon_momentum_start + (recipe.muon_momentum_end - recipe.muon_momentum_start) * ramp
+
+
+def apply_schedules(optimizer: MuonAdamW, progress: float, recipe: Recipe) -> float:
+    """This step's learning rates, Muon momentum and weight decay, written to the optimizer's 0-D
+    device tensors (a changed value is data: it never recompiles the update)."""
+    lrm = lr_multiplier(progress, recipe)
+    muon = dict(momentum=muon_momentum(progress, recipe), weight_decay=recipe.weight_decay * (1.0 - progress))
+    optimizer.set_hyperparameters([dict(lr=group["initial_lr"] * lrm, **(muon if group["kind"] == "muon" else {}))
+                                   for group in optimizer.param_groups])
+    return lrm
+
+
+def training_progress(step: int, charged_seconds: float, training_seconds: float, recipe: Recipe) -> float:
+    """Where the run is in its schedules, in [0, 1]. With a step count (--max-steps / --num-steps) it is
+    step / max_steps, the same in every run of the same flags, so an interrupted and resumed run
+    follows the schedule of an uninterrupted one; the time budget still stops the run. Otherwise it is
+    charged time over training time, which adapts to the machine's speed."""
+    if recipe.max_steps > 0:
+        return min(1.0, step / recipe.max_steps)
+    return min(1.0, max(0.0, charged_seconds / training_seconds))
+
+
+# -----------------------------------------------------------------------------------------------
+# Training: one step, and the loop
+# -----------------------------------------------------------------------------------------------
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def train_step(model: nn.Module, optimizer: MuonAdamW, batches, grad_accum_steps: int, world_size: int):
+    """One optimizer step over grad_accum_steps micro-batches from `batches`. Across ranks the
+    optimizer averages the gradients: the last micro-batch's backward sends them bucket by bucket as
+    they become ready, and optimizer.step() waits for them.
+    Returns (mean loss on this rank, as a tensor; the loader state of the last batch)."""
+    if world_size != optimizer.transport.world_size:
+        raise ValueError(f"train_step for {world_size} ranks got an optimizer built for "
+                         f"{optimizer.transport.world_size}")
+    loss_sum = None
+    for micro_step in range(grad_accum_steps):
+        x, y, state = next(batches)
+        optimizer.transport.send_in_backward = micro_step == grad_accum_steps - 1  # the others only accumulate
+        loss = model(x, y)
+        (loss / grad_accum_steps).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    return loss_sum / grad_accum_steps, state
+
+
+def train(recipe: Recipe, options: RunOptions, profile: DeviceProfile, device: torch.device, rank: int,
+          world_size: int) -> int:
+    """Train for the budget, save out_dir/final.pt, score public_val, and (rank 0) print the summary."""
+    geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, world_size)
+    tokenizer = ensure_tokenizer()
+    config = model_config(recipe, tokenizer.get_vocab_size())
+    model = build_model(config, device, recipe.dtype, options.chunked_loss)
+    if world_size > 1:
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=0)
+    optimizer = build_optimizer(model, recipe, options, model.compute_dtype, profile.compile_backend)
+    run = load_snapshot(Path(options.resume), model, optimizer, recipe, geometry, rank) if options.resume \
+        else RunState()
+    clock = BudgetClock(carried_seconds=run.charged_seconds)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
+    batches = make_dataloader(tokenizer, geometry.device_batch_size, recipe.seq_len, "train", device,
+                              seed=recipe.seed, start_batch=run.step * geometry.grad_accum_steps)
+    reserve = checkpoint_save_reserve(model)
+    training_seconds = recipe.time_budget - reserve
+    if training_seconds <= 0:
+        raise SystemExit(f"error: --time-budget {recipe.time_budget}s leaves no time to train after the "
+                         f"{reserve:.0f}s kept for saving the checkpoint")
+    flops_per_token = model.flops_per_token()
+    print0(f"device: {device} x {world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
+           f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
+    print0(f"model: {asdict(config)}")
+    print0(f"parameters: {model.num_params():,} | FLOPs per token: {flops_per_token:.4e}")
+    if geometry.note:
+        print0(f"batch geometry: {geometry.note}")
+    print0(f"batch: {recipe.total_batch_size:,} tokens = {geometry.device_batch_size} x {recipe.seq_len} x "
+           f"{world_size} ranks x {geometry.grad_accum_steps} accumulation | budget {recipe.time_budget:.0f}s, of "
+           f"which {reserve:.0f}s kept for the save | schedules on {'steps' if recipe.max_steps else 'charged time'}")
+    if options.resume:
+        print0(f"resumed: {options.resume} at step {run.step}, {run.charged_seconds:.1f}s charged so far")
+
+    state_dir = Path(options.out_dir) / STATE_DIR
+    step_times, last_snapshot, snapshot_seconds = [], time.time(), reserve
+    while True:
+        progress = training_progress(run.step, clock.charged_seconds(), training_seconds, recipe)
+        lrm = apply_schedules(optimizer, progress, recipe)
+        t0 = time.time()
+        loss, loader_state = train_step(step_model, optimizer, batches, geometry.grad_accum_steps, world_size)
+        if run.step == options.inject_nan_step:
+            loss = loss * float("nan")
+        synchronize(device)
+        record_step_boundary(clock.step_done())  # the harness's budget ledger
+        charged, dt = clock.charged_seconds(), time.time() - t0
+        step_times.append(dt)
+        run.tokens_seen += recipe.total_batch_size
+        snapshot_due = options.save_every > 0 and any_rank(time.time() - last_snapshot >= options.save_every, device,
+                                                           world_size)
+        next_step = max(step_times[-5:]) + (snapshot_seconds if snapshot_due else 0.0)
+        stop = charged + next_step > training_seconds or 0 < recipe.max_steps <= run.step + 1
+        loss_value, stop = agree_across_ranks(loss, stop, world_size)
+        if not math.isfinite(loss_value) or loss_value > 2 * math.log(config.vocab_size):
+            raise TrainingDiverged(f"training diverged at step {run.step}: loss {loss_value} (uniform guessing is "
+                                   f"{math.log(config.vocab_size):.2f}); no checkpoint written. Lower the learning "
+                                   "rates or check the last change.")
+        run.smooth_loss = 0.9 * run.smooth_loss + 0.1 * loss_value
+        if rank == 0 and (len(step_times) <= 5 or run.step % options.log_every == 0 or stop):
+            tok_per_sec = recipe.total_batch_size / dt
+            mfu = 100 * flops_per_token * tok_per_sec / (profile.peak_flops * world_size)
+            print(f"step {run.step:05d} ({100 * progress:4.1f}%) | loss: "
+                  f"{run.smooth_loss / (1 - 0.9 ** (run.step + 1)):.6f} | lrm: {lrm:.2f} | dt: {dt * 1000:.0f}ms | "
+                  f"tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | epoch: {loader_state['epoch']} | "
+                  f"remaining: {training_seconds - charged:.0f}s", flush=True)
+        run.step += 1
+        if stop:
+            break
+        if snapshot_due:
+            t0 = time.time()
+            save_snapshot(state_dir, model, optimizer, run, recipe, geometry, rank, clock)
+            last_snapshot = time.time()
+            snapshot_seconds = last_snapshot - t0
+
+    trained = clock.status(recipe.time_budget)
+    checkpoint = Path(options.out_dir) / "final.pt"
+    if rank == 0:
+        save_checkpoint(checkpoint, model, {"step": run.step, "total_train_tokens": run.tokens_seen,
+                                            "world_size": world_size, "recipe": asdict(recipe),
+                                            "run_options": asdict(options), "final_loss": run.train_loss})
+    if world_size > 1:
+        dist.barrier()  # the checkpoint is on disk before any rank reports
+    final = clock.status(recipe.time_budget)
+    result = None
+    if options.eval_public and options.eval_tokens > 0:
+        # Every rank calls evaluate_bpb with the same arguments: under torchrun it shares the rows among them.
+        eval_batch = max(1, geometry.device_batch_size * recipe.seq_len // EVAL_SEQ_LEN)
+        result = evaluate_bpb(model, tokenizer, eval_batch, EVAL_SEQ_LEN, device, split="public_val",
+                              max_tokens=options.eval_tokens)
+    if rank == 0:
+        print_summary(result, trained, final, clock, run, step_times, recipe, model, optimizer, profile, device,
+                      world_size, checkpoint)
+    return 0
+
+
+# -----------------------------------------------------------------------------------------------
+# The scorer's entry point
+# -----------------------------------------------------------------------------------------------
+
+
+def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
+    """The scorer's entry point: the trained model from checkpoint_path on `device`, in eval mode,
+    frozen, with a pure causal forward: logits[:, t] depend only on tokens 0..t of their own row."""
+    device = torch.device(device)
+    config, state, _ = read_checkpoint(checkpoint_path)
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"{checkpoint_path} was written by a model with config fields {unknown} that this "
+                         "train.py's GPTConfig does not have")
+    model = build_model(GPTConfig(**config), device, init=False)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{checkpoint_path} does not fit this train.py's GPT with config {config}: "
+                         f"{str(e).splitlines()[0]} ...") from None
+    return model.eval().requires_grad_(False)
+
+
+# ===============================================================================================
+# MACHINERY: what a run needs around the recipe, rarely edited. Devices, kernel routing (and the
+# inline NKI kernel), gradient communication and ZeRO-1, batch geometry, the budget clock,
+# checkpoint and resume, the command line with the organisers' aliases, main().
+# ===============================================================================================
+
+# -----------------------------------------------------------------------------------------------
+# Devices: everything device-specific lives here
+# -----------------------------------------------------------------------------------------------
+
+NEURONCORE_BF16_FLOPS = 79e12  # per physical NeuronCore-v3 (Trainium2: 8 per chip, 667 TFLOPS)
+CUDA_BF16_FLOPS = {"H100": 989.5e12, "H200": 989.5e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12,
+                   "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "4090": 165.2e12}  # dense bf16 datasheets
+
+
+@dataclass
+class DeviceProfile:
+    type: str  # neuron, cuda or cpu
+    dist_backend: str  # torch.distributed backend for this device
+    compute_dtype: torch.dtype | None  # autocast dtype of the forward pass; None: fp32
+    compile_backend: str
+    peak_flops: float  # per process, for MFU: datasheet peak, or measured (cpu)
+    peak_source: str
+
+
+# The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
+# process. On a shared 2-vCPU machine the best of ten two-thread 2048^2 bf16 matmuls (the peak this
+# replaced) measured 58-204 GFLOP/s across eight busy processes and 399-418 once the machine was quieter:
+# a multi-threaded call waits for its slowest thread, and a call of tens of milliseconds rarely runs
+# without another process taking one of the cores. One thread on calls of ~1 ms, best of many, measured
+# 446-451 (x2 threads) in the same processes, busy or quiet: interference only slows a call, so the best
+# call is the core's own speed. The larger sizes count on a quiet machine, where they may run faster.
+CPU_PEAK_SIZES = (256, 512, 1024)
+CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
+CPU_PEAK_MIN_CALLS = 3
+
+
+def cpu_threads() -> int:
+    """The threads this process's matmuls run on: torch's intra-op threads, at most the CPUs it may use."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), usable))
+
+
+def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: float = CPU_PEAK_SECONDS) -> float:
+    """Peak matmul FLOP/s of this process on the CPU: the best single-thread n x n matmul (over `sizes`
+    and repeated calls, after a warm-up call that builds the kernel) times cpu_threads()."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = 0.0
+        for n in sizes:
+            a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
+            torch.matmul(a, b, out=c)
+            calls, end = 0, time.perf_counter() + seconds
+            while calls < CPU_PEAK_MIN_CALLS or time.perf_counter() < end:
+                t0 = time.perf_counter()
+                torch.matmul(a, b, out=c)
+                best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+                calls += 1
+    finally:
+        torch.set_num_threads(threads)
+    return best * cpu_threads()
+
+
+def detect_device_type() -> str:
+    """The fastest device present: neuron, then cuda, then cpu."""
+    try:
+        if torch.neuron.is_available():
+            return "neuron"
+    except Exception:  # no torch.neuron (not the native Neuron backend), or no runtime behind it
+        pass
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is not None and accelerator.type == "neuron":
+        return "neuron"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | None:
+    """The autocast dtype of the forward pass: bf16 where the device is fast at it, else fp32 (None)."""
+    if dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--dtype must be auto, bf16 or fp32, got {dtype!r}")
+    if dtype != "auto":
+        return torch.bfloat16 if dtype == "bf16" else None
+    if device_type == "neuron":
+        return torch.bfloat16
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    # CPUs with AMX / AVX-512 BF16 run bf16 matmuls ~3x faster than fp32; on others bf16 is slow.
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
+def device_profile(device_type: str, dtype: str = "auto") -> DeviceProfile:
+    compute = compute_dtype_for(device_type, dtype)
+    if device_type == "neuron":
+        lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))  # physical cores behind one rank
+        return DeviceProfile("neuron", "neuron", compute, "neuron", NEURONCORE_BF16_FLOPS * lnc,
+                             f"datasheet, {lnc} NeuronCore(s) per rank")
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
+        if peak is None:
+            return DeviceProfile("cuda", "nccl", compute, "inductor", _measure_cuda_flops(),
+                                 f"measured bf16 matmul on {name}")
+        return DeviceProfile("cuda", "nccl", compute, "inductor", peak, f"datasheet, {name}")
+    if device_type == "cpu":
+        peak = measure_matmul_flops(compute or torch.float32)
+        return DeviceProfile("cpu", "gloo", compute, "inductor", peak,
+                             f"best 1-thread {'bf16' if compute else 'fp32'} matmul of n = "
+                             f"{'/'.join(map(str, CPU_PEAK_SIZES))} here x {cpu_threads()} threads")
+    raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
+
+
+def _measure_cuda_flops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t0)
+
+
+def init_distributed(profile: DeviceProfile) -> tuple[torch.device, int, int]:
+    """(device, rank, world_size) for this process; joins the process group under torchrun."""
+    ddp, rank, local_rank, world_size = get_dist_info()
+    if profile.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(profile.type)
+    if ddp:
+        kwargs = {"device_id": device} if profile.type == "cuda" else {}
+        dist.init_process_group(backend=profile.dist_backend, **kwargs)
+    return device, rank, world_size
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so host timers measure it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "neuron":
+        torch.neuron.synchronize()
+
+
+def autocast_context(device_type: str, dtype: torch.dtype | None):
+    """Matmuls in `dtype`; None: as they are (fp32), with no autocast at all (the meta device has none)."""
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    if device.type == "neuron":
+        try:
+            import torch_neuronx
+            return torch_neuronx.max_memory_allocated() / 2**20
+        except Exception:
+            return float("nan")
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process's peak RSS
+
+
+# -----------------------------------------------------------------------------------------------
+# Kernels: the inline NKI kernel relu(x)^2 (the template for kernels/), and the --nki-* flags' routing
+# -----------------------------------------------------------------------------------------------
+# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI
+# kernels (defined only where nki imports), an autograd.Function that runs either, and a public op that
+# takes the kernel where the tensor fits it and the reference elsewhere, saying so once. The kernels see
+# an [N, D] tensor in HBM as tiles of 128 rows (SBUF partitions): load a tile, compute with ScalarE /
+# VectorE instructions (fp32 inside the engines), store it. A launch runs one instance per physical core
+# of the rank's logical core (NEURON_LOGICAL_NC_CONFIG: 1 or 2), and instance nl.program_id(0) takes its
+# share of the tiles. This one needs nothing from kernels/, so --nki-relu2 runs under the organisers' kit.
+
+try:
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+    HAS_NKI = True
+except ImportError:
+    HAS_NKI = False
+
+NKI_PARTITIONS = 128  # rows per tile: the SBUF partition count
+NKI_MAX_FREE = 8192  # columns per tile: 8 bytes per element in flight, well under 224 KiB per partition
+NKI_NOTICES: set = set()  # the reasons a tensor ran the reference instead, each said once
+
+
+def relu2_forward_reference(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def relu2_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return 2 * F.relu(x) * grad
+
+
+if HAS_NKI:
+    @nki.jit
+    def relu2_forward_kernel(x):
+        """y = relu(x)^2 for x [N, D] in HBM; N % (128 * cores) == 0, D <= NKI_MAX_FREE."""
+        n, d = x.shape
+        y = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
+        tiles = n // NKI_PARTITIONS // nl.num_programs()  # this core's share of the 128-row tiles
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * NKI_PARTITIONS, NKI_PARTITIONS)
+            x_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_tile, src=x[r, :])
+            relu = nl.ndarray((NKI_PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=relu, op=nl.relu, data=x_tile)
+            y_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=y_tile, data1=relu, data2=relu, op=nl.multiply)
+            nisa.dma_copy(dst=y[r, :], src=y_tile)
+        return y
+
+    @nki.jit
+    def relu2_backward_kernel(x, grad):
+        """dx = 2 * relu(x) * grad for x, grad [N, D] in HBM; N % (128 * cores) == 0, D <= NKI_MAX_FREE."""
+        n, d = x.shape
+        dx = nl.ndarray((n, d), dtype=x.dtype, buffer=nl.shared_hbm)
+        tiles = n // NKI_PARTITIONS // nl.num_programs()
+        for i in nl.affine_range(tiles):
+            r = nl.ds((nl.program_id(0) * tiles + i) * NKI_PARTITIONS, NKI_PARTITIONS)
+            x_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_tile, src=x[r, :])
+            g_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=grad.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=g_tile, src=grad[r, :])
+            relu = nl.ndarray((NKI_PARTITIONS, d), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=relu, op=nl.relu, data=x_tile)
+            dx_tile = nl.ndarray((NKI_PARTITIONS, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=dx_tile, data=relu, op0=nl.multiply, operand0=2.0,
+                                      op1=nl.multiply, operand1=g_tile)
+            nisa.dma_copy(dst=dx[r, :], src=dx_tile)
+        return dx
+
+
+def launch_on_rows(kernel, *tensors: torch.Tensor) -> torch.Tensor:
+    """Run a row-tiled kernel on [N, D] views of same-shaped tensors, one instance per physical core of
+    the logical core, through torch-neuronx's wrap_nki where it imports; reshape the result back."""
+    shape = tensors[0].shape
+    rows = [t.reshape(-1, shape[-1]).contiguous() for t in tensors]
+    return nki_launcher()(kernel)[int(os.environ["NEURON_LOGICAL_NC_CONFIG"])](*rows).reshape(shape)
+
+
+@functools.cache
+def nki_launcher():
+    for module in ("torch_neuronx", "torch_neuronx.nki_hop"):  # where torch-neuronx releases keep wrap_nki
+        try:
+            return importlib.import_module(module).wrap_nki
+        except (ImportError, AttributeError):
+            pass
+    return lambda kernel: kernel  # nki's own launch (as on its simulator)
+
+
+class ReLUSquared(torch.autograd.Function):
+    """relu(x)^2, forward and backward as the NKI kernels (use_kernel=True) or the reference (False)."""
+
+    @staticmethod
+    def forward(ctx, x, use_kernel: bool):
+        ctx.save_for_backward(x)
+        ctx.use_kernel = use_kernel
+        return launch_on_rows(relu2_forward_kernel, x) if use_kernel else relu2_forward_reference(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        if ctx.use_kernel:
+            return launch_on_rows(relu2_backward_kernel, x, grad), None
+        return relu2_backward_reference(x, grad), None
+
+
+def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 as the kernel pair where x fits it; elsewhere the reference, saying why once."""
+    cores, rows = int(os.environ["NEURON_LOGICAL_NC_CONFIG"]), x.numel() // x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] > NKI_MAX_FREE:
+        why = f"shape {tuple(x.shape)} {x.dtype} does not fit (width <= {NKI_MAX_FREE}, bf16/fp32)"
+    elif rows % (NKI_PARTITIONS * cores):
+        why = f"{rows} rows do not split into {NKI_PARTITIONS}-row tiles evenly over {cores} physical cores"
+    else:
+        return ReLUSquared.apply(x, True)
+    if why not in NKI_NOTICES:
+        NKI_NOTICES.add(why)
+        print0(f"notice: relu2: {why}; using the PyTorch reference")
+    return relu2_forward_reference(x)
+
+
+KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors; filled from the --nki-* flags
+
+
+def enable_kernels(options: RunOptions) -> None:
+    """Route the ops named by the --nki-* flags to their kernels (for tensors on the neuron device)."""
+    if options.nki_relu2:
+        KERNELS["relu2"] = relu_squared_nki
+    if options.nki_rmsnorm:
+        import kernels.rmsnorm
+        KERNELS["rmsnorm"] = kernels.rmsnorm.rms_norm
+    if options.nki_rope_qknorm:
+        import kernels.rope_qknorm
+        KERNELS["rope_qknorm"] = kernels.rope_qknorm.rope_qknorm
+    if options.nki_softcap_ce:
+        import kernels.softcap_ce
+        KERNELS["softcap_ce"] = kernels.softcap_ce.softcap_cross_entropy
+
+
+def setup_kernels(options: RunOptions, device_type: str) -> None:
+    """Check that the --nki-* flags can run here, then enable them; stop with the reason otherwise."""
+    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(options) if f.name.startswith("nki_")
+             and getattr(options, f.name)]
+    if not flags:
+        return
+    if not (device_type == "neuron" and HAS_NKI):
+        raise SystemExit(f"error: {' '.join(flags)} run NKI kernels, which need the neuron device and the nki "
+                         f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
+                         "Drop the flag here, or run on a Trainium machine.")
+    if options.compile:
+        raise SystemExit(f"error: --compile with {' '.join(flags)}: the kernels are called from "
+                         "torch.autograd.Functions in eager mode, and the kit does not register them as "
+                         "torch.compile custom ops (torch_neuronx.nki_op with register_autograd). Drop --compile, "
+                         "or the --nki-* flags.")
+    cores = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if cores not in ("1", "2"):  # a kernel's core count must equal the compiler's and the runtime's
+        raise SystemExit(f"error: {' '.join(flags)}: NEURON_LOGICAL_NC_CONFIG is {cores!r}; the NKI kernels launch "
+                         "one instance per physical core of the logical core and need it set to 1 or 2, e.g. "
+                         "NEURON_LOGICAL_NC_CONFIG=2 torchrun --nproc_per_node=4 train.py ...")
+    if flags != ["--nki-relu2"]:  # the kernels/ modules check the nki release they were written for
+        from kernels.common import installed_nki_version, nki_version_problem
+        problem = nki_version_problem(installed_nki_version())
+        if problem:
+            raise SystemExit(f"error: {' '.join(flags)}: {problem}")
+    enable_kernels(options)
+
+
+def on_kernel(name: str, x: torch.Tensor):
+    """The NKI implementation of op `name` if it is enabled and x lives on the neuron device."""
+    return KERNELS.get(name) if x.device.type == "neuron" else None
+
+
+# -----------------------------------------------------------------------------------------------
+# Gradient communication and ZeRO-1: how MuonAdamW's gradients reach it across ranks
+# -----------------------------------------------------------------------------------------------
 
 # Gradients travel in buckets, each sent as soon as the backward has produced all of its gradients.
 # A bucket is `parts` equal chunks (parts = world size when the optimizer is sharded, else 1): chunk r
@@ -1167,7 +1259,8 @@ class GradientTransport:
 
     def _launch_full_buckets(self) -> None:
         # In bucket order, so that every rank issues the same collectives in the same order.
-        while self._launched < len(self.buckets) and all(p in self._packed for p in self.buckets[self._launched].params):
+        while self._launched < len(self.buckets) and \
+                all(p in self._packed for p in self.buckets[self._launched].params):
             bucket = self.buckets[self._launched]
             if self.shard:
                 bucket.work = _reduce_scatter(bucket.own, bucket.flat, async_op=True)
@@ -1283,23 +1376,24 @@ def flag_is_on(value: str, auto: bool, flag: str) -> bool:
     return auto if value == "auto" else value == "on"
 
 
-def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | None = torch.bfloat16,
-                    compile_backend: str = "inductor") -> MuonAdamW:
+def build_optimizer(model: GPT, recipe: Recipe, options: RunOptions | None = None,
+                    ns_dtype: torch.dtype | None = torch.bfloat16, compile_backend: str = "inductor") -> MuonAdamW:
     """MuonAdamW over parameter_groups(model, ...), its update compiled with `compile_backend` (the device
     profile's) where --compile-optimizer is on. Under torchrun its transport averages the gradients over
     the ranks, sharded per --shard-optimizer. ns_dtype: Polar Express's precision (None: fp32)."""
-    groups = parameter_groups(model, hp, ns_dtype)
+    options = options or RunOptions()
+    groups = parameter_groups(model, recipe, ns_dtype)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     ready_order = gradient_ready_order(model) if world_size > 1 else None
-    bucket_bytes = int(hp.grad_bucket_mb * 2**20)
+    bucket_bytes = int(options.grad_bucket_mb * 2**20)
     # Sharding sends as much as averaging does (a reduce-scatter and an all-gather make an all-reduce),
     # plus the padding, and saves state and update work on every rank: auto shards unless the
     # matrices deal out too unevenly over the ranks (few matrices, many ranks).
     whole = {p for g in groups if g["kind"] == "muon" for p in g["params"]}
     padding = sum(b.padding for b in plan_buckets(ready_order or [], whole, world_size, bucket_bytes // 4)) \
         / model.num_params()
-    shard = flag_is_on(hp.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
-    compiled = flag_is_on(hp.compile_optimizer, hp.compile, "--compile-optimizer")
+    shard = flag_is_on(options.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
+    compiled = flag_is_on(options.compile_optimizer, options.compile, "--compile-optimizer")
     transport = GradientTransport(groups, rank, world_size, shard, ready_order, bucket_bytes)
     optimizer = MuonAdamW(groups, transport, compile_backend if compiled else None)
     line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
@@ -1311,64 +1405,6 @@ def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | Non
     return optimizer
 
 
-# -----------------------------------------------------------------------------------------------
-# Schedules: functions of progress = charged seconds / training seconds, in [0, 1]
-# -----------------------------------------------------------------------------------------------
-
-
-def lr_multiplier(progress: float, hp: Hyperparameters) -> float:
-    if progress < hp.warmup_ratio:
-        return progress / hp.warmup_ratio
-    if progress <= 1.0 - hp.warmdown_ratio:
-        return 1.0
-    cooldown = max(0.0, (1.0 - progress) / hp.warmdown_ratio)
-    return cooldown + (1.0 - cooldown) * hp.final_lr_frac
-
-
-def muon_momentum(progress: float, hp: Hyperparameters) -> float:
-    ramp = min(1.0, progress / hp.muon_momentum_warmup_ratio) if hp.muon_momentum_warmup_ratio > 0 else 1.0
-    return hp.muon_momentum_start + (hp.muon_momentum_end - hp.muon_momentum_start) * ramp
-
-
-def apply_schedules(optimizer: MuonAdamW, progress: float, hp: Hyperparameters) -> float:
-    """This step's learning rates, Muon momentum and weight decay, written to the optimizer's 0-D
-    device tensors (a changed value is data: it never recompiles the update)."""
-    lrm = lr_multiplier(progress, hp)
-    muon = dict(momentum=muon_momentum(progress, hp), weight_decay=hp.weight_decay * (1.0 - progress))
-    optimizer.set_hyperparameters([dict(lr=group["initial_lr"] * lrm, **(muon if group["kind"] == "muon" else {}))
-                                   for group in optimizer.param_groups])
-    return lrm
-
-
-# -----------------------------------------------------------------------------------------------
-# Training step
-# -----------------------------------------------------------------------------------------------
-
-
-class TrainingDiverged(RuntimeError):
-    pass
-
-
-def train_step(model: nn.Module, optimizer: MuonAdamW, batches, grad_accum_steps: int, world_size: int):
-    """One optimizer step over grad_accum_steps micro-batches from `batches`. Across ranks the
-    optimizer averages the gradients: the last micro-batch's backward sends them bucket by bucket as
-    they become ready, and optimizer.step() waits for them.
-    Returns (mean loss on this rank, as a tensor; the loader state of the last batch)."""
-    if world_size != optimizer.transport.world_size:
-        raise ValueError(f"train_step for {world_size} ranks got an optimizer built for "
-                         f"{optimizer.transport.world_size}")
-    loss_sum = None
-    for micro_step in range(grad_accum_steps):
-        x, y, state = next(batches)
-        optimizer.transport.send_in_backward = micro_step == grad_accum_steps - 1  # the others only accumulate
-        loss = model(x, y)
-        (loss / grad_accum_steps).backward()
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    optimizer.step()
-    model.zero_grad(set_to_none=True)
-    return loss_sum / grad_accum_steps, state
-
-
 def agree_across_ranks(loss: torch.Tensor, stop: bool, world_size: int) -> tuple[float, bool]:
     """(mean loss over ranks, whether any rank wants to stop), with one small collective."""
     control = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
@@ -1377,6 +1413,114 @@ def agree_across_ranks(loss: torch.Tensor, stop: bool, world_size: int) -> tuple
         control[0] /= world_size
     loss_value, stop_votes = control.tolist()
     return loss_value, stop_votes > 0
+
+
+def any_rank(flag: bool, device: torch.device, world_size: int) -> bool:
+    """Whether flag is true on some rank: for decisions every rank must take together (one small collective)."""
+    if world_size == 1:
+        return flag
+    vote = torch.tensor(float(flag), device=device)
+    dist.all_reduce(vote)
+    return vote.item() > 0
+
+
+# -----------------------------------------------------------------------------------------------
+# Batch geometry: the recipe's batch at any world size
+# -----------------------------------------------------------------------------------------------
+
+
+class BatchGeometryError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    total_batch_size: int  # tokens per optimizer step, all ranks together
+    device_batch_size: int  # rows per micro-batch on each rank
+    seq_len: int
+    world_size: int
+    grad_accum_steps: int  # micro-batches per optimizer step on each rank
+    note: str = ""  # why the device batch differs from the one asked for ("" when it does not)
+
+
+def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> BatchGeometry:
+    """The rule: the total batch and the sequence length are the recipe and never change; the device
+    batch is a memory and speed knob, so it shrinks to the largest value not above the one asked for
+    such that device batch x seq_len x world size divides the total batch. No geometry exists when the
+    total batch is not a whole number of rows on every rank (too many ranks, or a total batch that is
+    not a multiple of seq_len x world size): then a clear error says what would work."""
+    for name, value in (("--total-batch-size", total_batch_size), ("--device-batch-size", device_batch_size),
+                        ("--seq-len", seq_len), ("world size", world_size)):
+        if value < 1:
+            raise BatchGeometryError(f"{name} must be positive, got {value}")
+    row_tokens = seq_len * world_size  # one row on every rank
+    if total_batch_size % row_tokens:
+        below, above = row_tokens * (total_batch_size // row_tokens), row_tokens * -(-total_batch_size // row_tokens)
+        options = " or ".join(f"--total-batch-size {n}" for n in (below, above) if n > 0)
+        fewer = f", or at most {total_batch_size // seq_len} ranks" if total_batch_size % seq_len == 0 and \
+            total_batch_size // seq_len < world_size else ""
+        raise BatchGeometryError(f"no batch geometry: --total-batch-size {total_batch_size} is not a whole number of "
+                                 f"rows of {seq_len} tokens on each of {world_size} ranks ({row_tokens} tokens a "
+                                 f"row on every rank); use {options}{fewer}")
+    rows_per_rank = total_batch_size // row_tokens
+    rows = max(k for k in range(1, min(device_batch_size, rows_per_rank) + 1) if rows_per_rank % k == 0)
+    note = "" if rows == device_batch_size else (
+        f"device batch {device_batch_size} -> {rows} rows: the total batch of {total_batch_size:,} tokens is "
+        f"{rows_per_rank} rows of {seq_len} on each of {world_size} ranks")
+    return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
+
+
+# -----------------------------------------------------------------------------------------------
+# The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it
+# -----------------------------------------------------------------------------------------------
+# Charged time = wall time since the process started, minus the start-up allowance (the time until
+# the end of this process's step TRAIN_STARTUP_STEPS_EXCLUDED - 1, at most
+# TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS), plus what a resumed run's earlier processes were charged. The
+# organisers' prepare.py gives train.py the constants and record_step_boundary, not its ledger's
+# figures, so train.py counts for itself; the harness's ledger counts from the same step boundaries.
+
+IMPORTED_AT = time.time()
+
+
+def process_start_time() -> float:
+    """time.time() when this process started: on Linux from /proc (the interpreter's start and the
+    imports count); elsewhere when train.py was imported, which is later, so it charges less."""
+    try:
+        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return IMPORTED_AT
+
+
+class BudgetClock:
+    def __init__(self, carried_seconds: float = 0.0):
+        self.started, self.carried_seconds = process_start_time(), carried_seconds
+        self.step_ends: list[float] = []  # when each optimizer step of this process ended
+
+    def step_done(self) -> int:
+        """Note the end of an optimizer step; returns its index in this process (what
+        record_step_boundary takes: a resumed process starts again from 0, with its own start-up)."""
+        self.step_ends.append(time.time())
+        return len(self.step_ends) - 1
+
+    def status(self, budget_seconds: float) -> dict:
+        now = time.time()
+        started_up = len(self.step_ends) >= TRAIN_STARTUP_STEPS_EXCLUDED
+        startup = (self.step_ends[TRAIN_STARTUP_STEPS_EXCLUDED - 1] if started_up else now) - self.started
+        allowance = min(startup, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)
+        charged = self.carried_seconds + now - self.started - allowance
+        return {"charged_seconds": charged, "startup_allowance_seconds": allowance,
+                "elapsed_seconds": now - self.started, "over_budget": charged > budget_seconds}
+
+    def charged_seconds(self) -> float:
+        return self.status(float("inf"))["charged_seconds"]
+
+    def median_step_seconds(self) -> float | None:
+        """The median step after start-up (None before there is one), printed beside the start-up: a
+        start-up far longer than a few steps is compilation or a slow first step."""
+        ends = self.step_ends[TRAIN_STARTUP_STEPS_EXCLUDED - 1:]
+        return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) > 1 else None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1431,25 +1575,6 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
                      f"{EARLIER_CHECKPOINT_FORMAT!r} (config, state_dict)")
 
 
-def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
-    """The scorer's entry point: the trained model from checkpoint_path on `device`, in eval mode,
-    frozen, with a pure causal forward: logits[:, t] depend only on tokens 0..t of their own row."""
-    device = torch.device(device)
-    config, state, _ = read_checkpoint(checkpoint_path)
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise ValueError(f"{checkpoint_path} was written by a model with config fields {unknown} that this "
-                         "train.py's GPTConfig does not have")
-    model = build_model(GPTConfig(**config), device, init=False)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{checkpoint_path} does not fit this train.py's GPT with config {config}: "
-                         f"{str(e).splitlines()[0]} ...") from None
-    return model.eval().requires_grad_(False)
-
-
 # Resumable runs. --save-every SECONDS writes the full training state under out_dir/state:
 # step_NNNNNN/model.pt (weights, checkpoint format), step_NNNNNN/optimizer_rankNNNNN.pt (each rank's
 # optimizer.state_dict(), its shard when the optimizer is sharded, and its CPU RNG state), and latest.json
@@ -1460,11 +1585,6 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 # storage every server sees.
 
 STATE_DIR = "state"
-# Flags a resumed run may change: they control the run around the training trajectory, not the trajectory
-# (compile and kernels change rounding at most, and may need switching off to get a run going again).
-RESUME_MAY_CHANGE = frozenset({"out_dir", "save_every", "resume", "log_every", "eval_public", "eval_tokens",
-                               "compile", "nki_relu2", "nki_rmsnorm", "nki_rope_qknorm", "nki_softcap_ce",
-                               "inject_nan_step"})
 
 
 @dataclass
@@ -1474,6 +1594,11 @@ class RunState:
     tokens_seen: int = 0
     smooth_loss: float = 0.0  # exponential moving average of the loss, before bias correction
     charged_seconds: float = 0.0  # charged time when the snapshot was complete
+
+    @property
+    def train_loss(self) -> float:
+        """The smoothed loss, bias-corrected: the summary's train_loss."""
+        return self.smooth_loss / (1 - 0.9 ** self.step)
 
 
 class ResumeError(ValueError):
@@ -1492,8 +1617,8 @@ def on_cpu(tree):
     return tree
 
 
-def save_snapshot(state_dir: Path, model: GPT, optimizer, run: RunState, hp: Hyperparameters,
-                  geometry: "BatchGeometry", rank: int) -> None:
+def save_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, run: RunState, recipe: Recipe,
+                  geometry: BatchGeometry, rank: int, clock: BudgetClock) -> None:
     """Write the full training state after step run.step - 1 (every rank calls this)."""
     folder = state_dir / f"step_{run.step:06d}"
     if rank == 0:
@@ -1503,16 +1628,16 @@ def save_snapshot(state_dir: Path, model: GPT, optimizer, run: RunState, hp: Hyp
     if geometry.world_size > 1:
         dist.barrier()  # every rank's files are on disk
     if rank == 0:
-        done = dataclasses.replace(run, charged_seconds=budget_status()["charged_seconds"])
+        done = dataclasses.replace(run, charged_seconds=clock.charged_seconds())
         pointer = {"snapshot": folder.name, "run": asdict(done), "world_size": geometry.world_size,
-                   "geometry": asdict(geometry), "hyperparameters": asdict(hp)}
+                   "geometry": asdict(geometry), "recipe": asdict(recipe)}
         write_atomically(state_dir / "latest.json", lambda tmp: tmp.write_text(json.dumps(pointer, indent=1)))
         for old in state_dir.glob("step_*"):
             if old.name != folder.name:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def load_snapshot(state_dir: Path, model: GPT, optimizer, hp: Hyperparameters, geometry: "BatchGeometry",
+def load_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, recipe: Recipe, geometry: BatchGeometry,
                   rank: int) -> RunState:
     """Restore the newest complete snapshot in state_dir into model and optimizer (every rank calls this)."""
     pointer_path = state_dir / "latest.json"
@@ -1524,12 +1649,12 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer, hp: Hyperparameters, g
         raise ResumeError(f"--resume {state_dir}: that run had {pointer['world_size']} ranks, this one has "
                           f"{geometry.world_size}; resume with the same number of ranks (the data each rank reads "
                           "and the optimizer's shards depend on it)")
-    saved = pointer["hyperparameters"]
-    changed = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}" for k, v in asdict(hp).items()
-               if k not in RESUME_MAY_CHANGE and saved.get(k) != v]
+    saved = pointer["recipe"]
+    changed = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}" for k, v in asdict(recipe).items()
+               if saved.get(k) != v]
     if changed:
-        raise ResumeError(f"--resume {state_dir}: flags changed since the interrupted run ({'; '.join(changed)}), "
-                          "which would change its trajectory; resume with the flags it was started with")
+        raise ResumeError(f"--resume {state_dir}: the recipe changed since the interrupted run ({'; '.join(changed)}), "
+                          "which would change its trajectory; resume with the recipe it was started with")
     folder = state_dir / pointer["snapshot"]
     model_file, rank_file = folder / "model.pt", folder / f"optimizer_rank{rank:05d}.pt"
     for path in (model_file, rank_file):
@@ -1544,189 +1669,173 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer, hp: Hyperparameters, g
 
 
 # -----------------------------------------------------------------------------------------------
-# Scale: batch geometry for any world size
+# The command line: a flag for every Recipe and RunOptions field, presets, the organisers' aliases
 # -----------------------------------------------------------------------------------------------
 
 
-class BatchGeometryError(ValueError):
-    pass
+@dataclass
+class RunOptions:
+    """How a run executes around its recipe: each is a flag too, and a resumed run may change any of them
+    (compilation, kernels and the loss's chunking change rounding at most)."""
+    device: str = ""  # neuron, cuda or cpu; empty (or auto): the fastest present
+    compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
+    compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
+                                     # small ones: on, off, auto (on with --compile)
+    chunked_loss: bool = True  # head + softcap + loss in LOSS_CHUNKS slices of rows (never the full fp32 logits);
+                               # --no-chunked-loss: the plain path, e.g. to compare on a new device
+    nki_relu2: bool = False  # the MLP activation as the inline NKI kernel (neuron device only)
+    nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
+    nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
+    nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
+    shard_optimizer: str = "auto"  # ZeRO-1 across ranks: each keeps state for, and updates, only its share:
+                                   # on, off, auto (on unless the matrices deal out unevenly, see build_optimizer)
+    grad_bucket_mb: float = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
+    out_dir: str = "out"
+    save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none); a crash then
+                             # loses at most this much training
+    resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
+    log_every: int = 10  # print a progress line every this many steps
+    eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
+    eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
+    inject_nan_step: int = -1  # test hook: make the loss NaN at this step, to exercise the failure path
 
 
-@dataclass(frozen=True)
-class BatchGeometry:
-    total_batch_size: int  # tokens per optimizer step, all ranks together
-    device_batch_size: int  # rows per micro-batch on each rank
-    seq_len: int
-    world_size: int
-    grad_accum_steps: int  # micro-batches per optimizer step on each rank
-    note: str = ""  # why the device batch differs from the one asked for ("" when it does not)
+# The organisers' baseline train.py spells three flags differently and reads settings from the
+# environment; both spellings work, with the same meaning. Precedence, lowest first: the defaults,
+# --preset, the environment, the command line.
+OFFICIAL_FLAG_NAMES = {"max_steps": "--num-steps", "time_budget": "--max-train-seconds", "device": "--device-type"}
+# field -> the variables that set it: the organisers' names, and for the three settings the kit's prepare.py
+# reads too (so that train.py writes where `prepare.py eval-public` looks) its FRONTIER_* names. Two set
+# variables of one field must agree.
+ENVIRONMENT = {"max_steps": ("NEURON_COMPETITION_R1_NUM_STEPS",),
+               "time_budget": ("NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",),
+               "compile": ("NEURON_COMPETITION_R1_COMPILE",),
+               "nki_relu2": ("NEURON_COMPETITION_R1_NKI_RELU2",),
+               "out_dir": ("NEURON_COMPETITION_R1_OUT_DIR", "FRONTIER_OUT_DIR"),
+               "eval_public": ("NEURON_COMPETITION_R1_EVAL_PUBLIC", "FRONTIER_EVAL_PUBLIC"),
+               "eval_tokens": ("NEURON_COMPETITION_R1_EVAL_TOKENS", "FRONTIER_EVAL_TOKENS")}
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> BatchGeometry:
-    """The rule: the total batch and the sequence length are the recipe and never change; the device
-    batch is a memory and speed knob, so it shrinks to the largest value not above the one asked for
-    such that device batch x seq_len x world size divides the total batch. No geometry exists when the
-    total batch is not a whole number of rows on every rank (too many ranks, or a total batch that is
-    not a multiple of seq_len x world size): then a clear error says what would work."""
-    for name, value in (("--total-batch-size", total_batch_size), ("--device-batch-size", device_batch_size),
-                        ("--seq-len", seq_len), ("world size", world_size)):
-        if value < 1:
-            raise BatchGeometryError(f"{name} must be positive, got {value}")
-    row_tokens = seq_len * world_size  # one row on every rank
-    if total_batch_size % row_tokens:
-        below, above = row_tokens * (total_batch_size // row_tokens), row_tokens * -(-total_batch_size // row_tokens)
-        options = " or ".join(f"--total-batch-size {n}" for n in (below, above) if n > 0)
-        fewer = f", or at most {total_batch_size // seq_len} ranks" if total_batch_size % seq_len == 0 and \
-            total_batch_size // seq_len < world_size else ""
-        raise BatchGeometryError(f"no batch geometry: --total-batch-size {total_batch_size} is not a whole number of "
-                                 f"rows of {seq_len} tokens on each of {world_size} ranks ({row_tokens} tokens a "
-                                 f"row on every rank); use {options}{fewer}")
-    rows_per_rank = total_batch_size // row_tokens
-    rows = max(k for k in range(1, min(device_batch_size, rows_per_rank) + 1) if rows_per_rank % k == 0)
-    note = "" if rows == device_batch_size else (
-        f"device batch {device_batch_size} -> {rows} rows: the total batch of {total_batch_size:,} tokens is "
-        f"{rows_per_rank} rows of {seq_len} on each of {world_size} ranks")
-    return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
+PRESETS = {
+    # A laptop CPU for 5 minutes: the winner of benchmarks/preset_sweep.py at 300 s on the 2-core
+    # machine (val_bpb 1.265 against 1.585 for the depth-4, width-384 model it replaced; table in the
+    # README). Small (4.5M parameters, 0.7 tokens each in 5 minutes) and short rows, so ~700 steps of 4K
+    # tokens; compiled, because eager elementwise work on the 8192-wide logits dominates a CPU step.
+    "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
+                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20),
+    # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
+    "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0),
+    # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
+    # `tools/plan.py --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
+    # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
+    # model's weights, gradients, optimizer state and activations well inside a rank's 24 GiB at LNC=2 (an
+    # estimate: measure peak_memory_mb on the machine). A snapshot every 30 minutes bounds what a crash costs.
+    "phase2": dict(depth=23, total_batch_size=2**19, device_batch_size=2, time_budget=14400.0, save_every=1800.0),
+}
+
+
+def setting_fields() -> list[dataclasses.Field]:
+    return [*dataclasses.fields(Recipe), *dataclasses.fields(RunOptions)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags for every Recipe and RunOptions field (with the official spelling beside ours where it
+    differs) and --preset."""
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
+    for kind in (Recipe, RunOptions):
+        group = parser.add_argument_group(f"{kind.__name__} (see its comments in train.py)")
+        for f in dataclasses.fields(kind):
+            flags = ["--" + f.name.replace("_", "-"), *([OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES
+                                                         else [])]
+            help_text = f"default: {f.default!r}" + (f"; environment: {' or '.join(ENVIRONMENT[f.name])}"
+                                                     if f.name in ENVIRONMENT else "")
+            if f.type in ("bool", bool):
+                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            else:
+                group.add_argument(*flags, dest=f.name, type={"int": int, "float": float, "str": str}[str(f.type)],
+                                   default=None, help=help_text)
+    return parser
+
+
+def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) -> tuple[dict, dict]:
+    """Settings made by the environment variables of ENVIRONMENT: ({field: value}, {field: "VAR=value"})."""
+    types = {f.name: str(f.type) for f in setting_fields()}
+    values, used = {}, {}
+    for name, variables in ENVIRONMENT.items():
+        found = {var: environ[var].strip() for var in variables if environ.get(var, "").strip()}
+        if len(set(found.values())) > 1:
+            parser.error(" and ".join(f"{var}={raw!r}" for var, raw in found.items()) + " disagree; they mean the "
+                         "same thing: unset one")
+        for var, raw in list(found.items())[:1]:
+            try:
+                if types[name] == "bool":
+                    if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
+                        raise ValueError
+                    values[name] = raw.lower() in TRUE_WORDS
+                else:
+                    values[name] = {"int": int, "float": float, "str": str}[types[name]](raw)
+            except ValueError:
+                kind = {"bool": f"one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}", "int": "an integer",
+                        "float": "a number"}[types[name]]
+                parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
+            used[name] = f"{var}={raw}"
+    return values, used
+
+
+def parse_command_line(argv=None) -> tuple[Recipe, RunOptions, list[str]]:
+    """(recipe, run options, one note per environment variable used)."""
+    parser = build_parser()
+    return settings_from(parser.parse_args(argv), parser)
+
+
+def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Recipe, RunOptions, list[str]]:
+    """The recipe and run options of parsed flags (of build_parser(), perhaps with a tool's own added),
+    --preset and the environment, in that precedence (see OFFICIAL_FLAG_NAMES)."""
+    values = dict(PRESETS[args.preset]) if args.preset else {}
+    from_env, used = environment_settings(parser)
+    given = {f.name: getattr(args, f.name) for f in setting_fields() if getattr(args, f.name) is not None}
+    notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
+                                                              else "") for name, setting in used.items()]
+    values.update(from_env)
+    values.update(given)
+    recipe = Recipe(**{f.name: values[f.name] for f in dataclasses.fields(Recipe) if f.name in values})
+    options = RunOptions(**{f.name: values[f.name] for f in dataclasses.fields(RunOptions) if f.name in values})
+    return recipe, options, notes
 
 
 # -----------------------------------------------------------------------------------------------
-# main
+# main, and the summary tools grep
 # -----------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
-    hp, _, notes = parse_command_line(argv)
-    device_type = hp.device if hp.device not in ("", "auto") else detect_device_type()
-    setup_kernels(hp, device_type)
-    profile = device_profile(device_type, hp.dtype)
+    recipe, options, notes = parse_command_line(argv)
+    device_type = options.device if options.device not in ("", "auto") else detect_device_type()
+    setup_kernels(options, device_type)
+    profile = device_profile(device_type, recipe.dtype)
     device, rank, world_size = init_distributed(profile)
     for note in notes:
         print0(f"environment: {note}")
-    torch.manual_seed(hp.seed)
+    torch.manual_seed(recipe.seed)
     try:
-        return train(hp, profile, device, rank, world_size)
+        return train(recipe, options, profile, device, rank, world_size)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def training_progress(step: int, charged_seconds: float, training_seconds: float, hp: Hyperparameters) -> float:
-    """Where the run is in its schedules, in [0, 1]. With a step count (--max-steps / --num-steps) it is
-    step / max_steps, the same in every run of the same flags, so an interrupted and resumed run
-    follows the schedule of an uninterrupted one; the time budget still stops the run. Otherwise it is
-    charged time over training time, which adapts to the machine's speed."""
-    if hp.max_steps > 0:
-        return min(1.0, step / hp.max_steps)
-    return min(1.0, max(0.0, charged_seconds / training_seconds))
-
-
-def any_rank(flag: bool, device: torch.device, world_size: int) -> bool:
-    """Whether flag is true on some rank: for decisions every rank must take together (one small collective)."""
-    if world_size == 1:
-        return flag
-    vote = torch.tensor(float(flag), device=device)
-    dist.all_reduce(vote)
-    return vote.item() > 0
-
-
-def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, rank: int, world_size: int) -> int:
-    geometry = batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, world_size)
-    tokenizer = ensure_tokenizer()
-    config = model_config(hp, tokenizer.get_vocab_size())
-    model = build_model(config, device, hp.dtype, hp.chunked_loss)
-    if world_size > 1:
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            dist.broadcast(p.data, src=0)
-    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
-    run = RunState()
-    if hp.resume:
-        run = load_snapshot(Path(hp.resume), model, optimizer, hp, geometry, rank)
-        resume_ledger(run.step, run.charged_seconds)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
-    batches = make_dataloader(tokenizer, geometry.device_batch_size, hp.seq_len, "train", device, seed=hp.seed,
-                              start_batch=run.step * geometry.grad_accum_steps)
-    reserve = checkpoint_save_reserve(model)
-    training_seconds = hp.time_budget - reserve
-    if training_seconds <= 0:
-        raise SystemExit(f"error: --time-budget {hp.time_budget}s leaves no time to train after the "
-                         f"{reserve:.0f}s kept for saving the checkpoint")
-    flops_per_token = model.flops_per_token()
-    print0(f"device: {device} x {world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
-           f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
-    print0(f"model: {asdict(config)}")
-    print0(f"parameters: {model.num_params():,} | FLOPs per token: {flops_per_token:.4e}")
-    if geometry.note:
-        print0(f"batch geometry: {geometry.note}")
-    print0(f"batch: {hp.total_batch_size:,} tokens = {geometry.device_batch_size} x {hp.seq_len} x {world_size} ranks "
-           f"x {geometry.grad_accum_steps} accumulation | budget {hp.time_budget:.0f}s, of which {reserve:.0f}s kept "
-           f"for the save | schedules on {'steps' if hp.max_steps > 0 else 'charged time'}")
-    if hp.resume:
-        print0(f"resumed: {hp.resume} at step {run.step}, {run.charged_seconds:.1f}s charged so far")
-
-    state_dir = Path(hp.out_dir) / STATE_DIR
-    step_times, last_snapshot, snapshot_seconds = [], time.time(), reserve
-    while True:
-        progress = training_progress(run.step, budget_status()["charged_seconds"], training_seconds, hp)
-        lrm = apply_schedules(optimizer, progress, hp)
-        t0 = time.time()
-        loss, loader_state = train_step(step_model, optimizer, batches, geometry.grad_accum_steps, world_size)
-        if run.step == hp.inject_nan_step:
-            loss = loss * float("nan")
-        synchronize(device)
-        status = record_step_boundary(run.step)
-        dt = time.time() - t0
-        step_times.append(dt)
-        run.tokens_seen += hp.total_batch_size
-        snapshot_due = hp.save_every > 0 and any_rank(time.time() - last_snapshot >= hp.save_every, device, world_size)
-        next_step = max(step_times[-5:]) + (snapshot_seconds if snapshot_due else 0.0)
-        stop = status["charged_seconds"] + next_step > training_seconds or 0 < hp.max_steps <= run.step + 1
-        loss_value, stop = agree_across_ranks(loss, stop, world_size)
-        if not math.isfinite(loss_value) or loss_value > 2 * math.log(config.vocab_size):
-            raise TrainingDiverged(f"training diverged at step {run.step}: loss {loss_value} (uniform guessing is "
-                                   f"{math.log(config.vocab_size):.2f}); no checkpoint written. Lower the learning "
-                                   "rates or check the last change.")
-        run.smooth_loss = 0.9 * run.smooth_loss + 0.1 * loss_value
-        if rank == 0 and (len(step_times) <= 5 or run.step % hp.log_every == 0 or stop):
-            tok_per_sec = hp.total_batch_size / dt
-            mfu = 100 * flops_per_token * tok_per_sec / (profile.peak_flops * world_size)
-            print(f"step {run.step:05d} ({100 * progress:4.1f}%) | loss: "
-                  f"{run.smooth_loss / (1 - 0.9 ** (run.step + 1)):.6f} | lrm: {lrm:.2f} | dt: {dt * 1000:.0f}ms | "
-                  f"tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | epoch: {loader_state['epoch']} | "
-                  f"remaining: {training_seconds - status['charged_seconds']:.0f}s", flush=True)
-        run.step += 1
-        if stop:
-            break
-        if snapshot_due:
-            t0 = time.time()
-            save_snapshot(state_dir, model, optimizer, run, hp, geometry, rank)
-            last_snapshot = time.time()
-            snapshot_seconds = last_snapshot - t0
-
-    train_loss = run.smooth_loss / (1 - 0.9 ** run.step)
-    training_status = budget_status(hp.time_budget)
-    checkpoint = Path(hp.out_dir) / "final.pt"
-    if rank == 0:
-        save_checkpoint(checkpoint, model, {"step": run.step, "total_train_tokens": run.tokens_seen,
-                                            "world_size": world_size, "hyperparameters": asdict(hp),
-                                            "final_loss": train_loss})
-    if world_size > 1:
-        dist.barrier()  # the checkpoint is on disk before any rank reports
-    final = budget_status(hp.time_budget)
-    median_step = median_step_seconds()
-
-    result = None
-    if hp.eval_public and hp.eval_tokens > 0:
-        # Every rank calls evaluate_bpb with the same arguments: under torchrun it shares the rows among them.
-        eval_batch = max(1, geometry.device_batch_size * hp.seq_len // EVAL_SEQ_LEN)
-        result = evaluate_bpb(model, tokenizer, eval_batch, EVAL_SEQ_LEN, device, split="public_val",
-                              max_tokens=hp.eval_tokens)
-    if rank != 0:
-        return 0
-
-    # Timed steps only: the start-up steps include compilation and warm-up.
-    timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:] or step_times
-    tok_per_sec = hp.total_batch_size * len(timed) / sum(timed)
-    mfu = 100 * flops_per_token * tok_per_sec / (profile.peak_flops * world_size)
+def print_summary(result: dict | None, trained: dict, final: dict, clock: BudgetClock, run: RunState,
+                  step_times: list[float], recipe: Recipe, model: GPT, optimizer: MuonAdamW, profile: DeviceProfile,
+                  device: torch.device, world_size: int, checkpoint: Path) -> None:
+    """The summary after `---`, autoresearch-style (key: value lines). trained / final: the clock's status
+    when training stopped / when the checkpoint was on disk."""
+    timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:] or step_times  # the start-up steps compile and warm up
+    tok_per_sec = recipe.total_batch_size * len(timed) / sum(timed)
+    mfu = 100 * model.flops_per_token() * tok_per_sec / (profile.peak_flops * world_size)
+    median_step = clock.median_step_seconds()
     summary = []
     if result is not None:
         summary += [("val_bpb", f"{result['val_bpb']:.6f}"), ("eval_tokens", result["tokens"]),
@@ -1734,11 +1843,11 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
     # Where the organisers' summary names a figure differently, both names are printed (their job runners
     # parse charged_seconds_est and startup_allowance_est).
     summary += [
-        ("train_loss", f"{train_loss:.6f}"),
-        ("training_seconds", f"{training_status['charged_seconds']:.1f}"),
+        ("train_loss", f"{run.train_loss:.6f}"),
+        ("training_seconds", f"{trained['charged_seconds']:.1f}"),
         ("charged_seconds", f"{final['charged_seconds']:.1f}"),
         ("charged_seconds_est", f"{final['charged_seconds']:.1f}"),
-        ("budget_seconds", f"{hp.time_budget:.0f}"),
+        ("budget_seconds", f"{recipe.time_budget:.0f}"),
         ("over_budget", final["over_budget"]),
         ("startup_seconds", f"{final['startup_allowance_seconds']:.1f}"),
         ("startup_allowance_est", f"{final['startup_allowance_seconds']:.1f}"),
@@ -1750,12 +1859,10 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
         ("mfu_percent", f"{mfu:.2f}"),
         ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
         ("peak_source", f"{profile.peak_source} (per rank; MFU's denominator)"),
-    ]
-    summary += [
         ("comm_seconds_per_step", f"{optimizer.transport.comm_seconds / len(step_times):.4f}"),
         ("peak_memory_mb", f"{peak_memory_mb(device):.1f}"),
         ("num_params_M", f"{model.num_params() / 1e6:.1f}"),
-        ("depth", config.n_layer),
+        ("depth", model.config.n_layer),
         ("device", f"{device.type} x {world_size}"),
         ("compute_dtype", str(profile.compute_dtype or torch.float32).replace("torch.", "")),
         ("checkpoint", checkpoint),
@@ -1763,12 +1870,20 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
     print("---")
     for key, value in summary:
         print(f"{key + ':':<23}{value}")
-    return 0
+
+
+def is_input_error(e: BaseException) -> bool:
+    """A problem with the input or the set-up whose message names the cause and the fix: a ValueError
+    (checkpoints, batch geometry, resume), a diverged run, or the harness's own errors (the kit's
+    HarnessError family; recognised by name, so that train.py imports nothing more from prepare.py)."""
+    return isinstance(e, (ValueError, TrainingDiverged)) or any(c.__name__ == "HarnessError" for c in type(e).__mro__)
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (HarnessError, TrainingDiverged, ValueError) as e:
+    except Exception as e:
+        if not is_input_error(e):
+            raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

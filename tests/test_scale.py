@@ -2,6 +2,7 @@
 several servers (nothing assumes LOCAL_RANK == RANK) and the end-of-run evaluation on every rank."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,7 +22,7 @@ sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
 from test_train import run_train, summary  # noqa: E402
 
-DEFAULT = T.Hyperparameters()
+DEFAULT = T.Recipe()
 
 
 # --- batch geometry ------------------------------------------------------------------------------
@@ -66,33 +67,34 @@ def test_a_run_with_more_ranks_than_rows_adapts_instead_of_exiting(tmp_path, tex
 # --- schedules and resumable runs -----------------------------------------------------------------
 
 def test_schedules_run_on_steps_when_a_step_count_is_given():
-    hp = T.Hyperparameters(max_steps=40)
-    assert T.training_progress(10, charged_seconds=999.0, training_seconds=100.0, hp=hp) == 0.25
-    assert T.training_progress(10, charged_seconds=25.0, training_seconds=100.0, hp=T.Hyperparameters()) == 0.25
-    assert T.training_progress(10, charged_seconds=250.0, training_seconds=100.0, hp=T.Hyperparameters()) == 1.0
+    recipe = T.Recipe(max_steps=40)
+    assert T.training_progress(10, charged_seconds=999.0, training_seconds=100.0, recipe=recipe) == 0.25
+    assert T.training_progress(10, charged_seconds=25.0, training_seconds=100.0, recipe=T.Recipe()) == 0.25
+    assert T.training_progress(10, charged_seconds=250.0, training_seconds=100.0, recipe=T.Recipe()) == 1.0
 
 
-def tiny_model_and_optimizer(hp, seed=0):
+def tiny_model_and_optimizer(recipe, seed=0):
     torch.manual_seed(seed)
-    model = T.build_model(T.model_config(hp), dtype="fp32")
-    optimizer = T.build_optimizer(model, hp, ns_dtype=None)
+    model = T.build_model(T.model_config(recipe), dtype="fp32")
+    optimizer = T.build_optimizer(model, recipe, ns_dtype=None)
     model(torch.randint(0, 8000, (2, 16)), torch.randint(0, 8000, (2, 16))).backward()
     optimizer.step()  # optimizer state exists
     return model, optimizer
 
 
 def test_snapshot_round_trip_and_refusals(tmp_path):
-    hp = T.parse_hyperparameters(TINY[:8] + ["--save-every", "60"])
-    geometry = T.batch_geometry(1024, 8, 128, 1)
-    model, optimizer = tiny_model_and_optimizer(hp)
+    recipe = T.parse_command_line(TINY[:8])[0]
+    geometry, clock = T.batch_geometry(1024, 8, 128, 1), T.BudgetClock()
+    model, optimizer = tiny_model_and_optimizer(recipe)
     state_dir = tmp_path / "state"
-    T.save_snapshot(state_dir, model, optimizer, T.RunState(step=7, tokens_seen=7168, smooth_loss=3.0), hp, geometry, 0)
-    T.save_snapshot(state_dir, model, optimizer, T.RunState(step=9, tokens_seen=9216, smooth_loss=2.0), hp, geometry, 0)
+    for step, tokens, loss in ((7, 7168, 3.0), (9, 9216, 2.0)):
+        run = T.RunState(step=step, tokens_seen=tokens, smooth_loss=loss)
+        T.save_snapshot(state_dir, model, optimizer, run, recipe, geometry, 0, clock)
     assert sorted(p.name for p in state_dir.iterdir()) == ["latest.json", "step_000009"]  # older ones go
 
-    fresh, fresh_optimizer = tiny_model_and_optimizer(hp, seed=1)
+    fresh, fresh_optimizer = tiny_model_and_optimizer(recipe, seed=1)
     assert not torch.equal(fresh.wte.weight, model.wte.weight)
-    run = T.load_snapshot(state_dir, fresh, fresh_optimizer, hp, geometry, 0)
+    run = T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, geometry, 0)
     assert (run.step, run.tokens_seen, run.smooth_loss) == (9, 9216, 2.0)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
@@ -103,22 +105,17 @@ def test_snapshot_round_trip_and_refusals(tmp_path):
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored[k][name])), (k, name)
 
     with pytest.raises(T.ResumeError, match=r"--matrix-lr 0.04 -> 0.05"):
-        T.load_snapshot(state_dir, fresh, fresh_optimizer, dict_replace(hp, matrix_lr=0.05), geometry, 0)
-    run_control = dict_replace(hp, out_dir="elsewhere", save_every=5.0, compile=True)  # these may change
-    T.load_snapshot(state_dir, fresh, fresh_optimizer, run_control, geometry, 0)
+        T.load_snapshot(state_dir, fresh, fresh_optimizer, dataclasses.replace(recipe, matrix_lr=0.05), geometry, 0)
+    # The snapshot records the recipe only: run options (output, compilation, kernels) may change on resume.
+    assert json.loads((state_dir / "latest.json").read_text())["recipe"] == dataclasses.asdict(recipe)
     with pytest.raises(T.ResumeError, match="that run had 1 ranks, this one has 2"):
-        T.load_snapshot(state_dir, fresh, fresh_optimizer, hp, T.batch_geometry(1024, 4, 128, 2), 0)
+        T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, T.batch_geometry(1024, 4, 128, 2), 0)
     with pytest.raises(T.ResumeError, match="optimizer_rank00001.pt is missing"):
         pointer = json.loads((state_dir / "latest.json").read_text())
         (state_dir / "latest.json").write_text(json.dumps(dict(pointer, world_size=2)))
-        T.load_snapshot(state_dir, fresh, fresh_optimizer, hp, T.batch_geometry(1024, 4, 128, 2), 1)
+        T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, T.batch_geometry(1024, 4, 128, 2), 1)
     with pytest.raises(T.ResumeError, match="no snapshot there"):
-        T.load_snapshot(tmp_path / "nothing", fresh, fresh_optimizer, hp, geometry, 0)
-
-
-def dict_replace(hp, **changes):
-    import dataclasses
-    return dataclasses.replace(hp, **changes)
+        T.load_snapshot(tmp_path / "nothing", fresh, fresh_optimizer, recipe, geometry, 0)
 
 
 @pytest.mark.slow

@@ -167,7 +167,7 @@ def test_relu2_reference_matches_autograd_in_float64():
 
 def test_default_model_is_about_59_6M_parameters():
     with torch.device("meta"):
-        model = T.GPT(T.model_config(T.Hyperparameters()))
+        model = T.GPT(T.model_config(T.Recipe()))
     assert model.num_params() == 59_637_780
     assert model.config.n_embd == 640 and model.config.n_head == 5
 
@@ -180,15 +180,19 @@ def test_importing_train_has_no_side_effects(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_flags_cover_every_hyperparameter_and_presets_apply():
-    hp = T.parse_hyperparameters(["--preset", "cpu", "--depth", "3", "--no-compile", "--matrix-lr", "0.01"])
-    assert hp.depth == 3 and hp.matrix_lr == 0.01 and hp.compile is False
-    assert hp.seq_len == T.PRESETS["cpu"]["seq_len"]
-    assert T.parse_hyperparameters([]) == T.Hyperparameters()
+def test_flags_cover_the_recipe_and_the_run_options_and_presets_apply():
+    recipe, options, _ = T.parse_command_line(["--preset", "cpu", "--depth", "3", "--no-compile", "--matrix-lr",
+                                               "0.01"])
+    assert recipe.depth == 3 and recipe.matrix_lr == 0.01 and options.compile is False
+    assert recipe.seq_len == T.PRESETS["cpu"]["seq_len"] and options.log_every == T.PRESETS["cpu"]["log_every"]
+    assert T.parse_command_line([])[:2] == (T.Recipe(), T.RunOptions())
+    fields = [f.name for f in T.setting_fields()]
+    assert len(fields) == len(set(fields))  # a setting is either the recipe's or a run option, never both
+    assert set(T.PRESETS["cpu"]) | set(T.PRESETS["phase2"]) | set(T.PRESETS["gpu"]) <= set(fields)
 
 
 def test_schedules():
-    hp = T.Hyperparameters(warmup_ratio=0.1, warmdown_ratio=0.5, final_lr_frac=0.1)
+    hp = T.Recipe(warmup_ratio=0.1, warmdown_ratio=0.5, final_lr_frac=0.1)
     assert T.lr_multiplier(0.05, hp) == pytest.approx(0.5)
     assert T.lr_multiplier(0.3, hp) == 1.0
     assert T.lr_multiplier(0.75, hp) == pytest.approx(0.55)

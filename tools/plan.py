@@ -45,7 +45,7 @@ PLAN_PROBE_WARMUP, PLAN_PROBE_STEPS = 3, 5  # --probe: steps that compile and wa
 
 @dataclass
 class Plan:
-    hp: T.Hyperparameters  # the planned flags
+    recipe: T.Recipe  # the planned flags
     ranks: int
     flops_per_second: float  # achieved model FLOP/s, all ranks together
     throughput_source: str
@@ -72,14 +72,14 @@ def planned_batch_size(tokens: float, seq_len: int, ranks: int) -> int:
     return row_tokens * 2 ** max(0, round(math.log2(ideal / row_tokens)))
 
 
-def plan_run(hp: T.Hyperparameters, ranks: int, budget_seconds: float, flops_per_second: float,
+def plan_run(recipe: T.Recipe, ranks: int, budget_seconds: float, flops_per_second: float,
              throughput_source: str = "given") -> Plan:
     """Size a run for a budget at a throughput (achieved model FLOP/s, all ranks): the depth, at the
     flags' aspect ratio and head size, whose training tokens per parameter come nearest (in ratio)
     PLAN_TOKENS_PER_PARAM; the batch from the batch law; the steps that fill the budget. Pure."""
     best = None
     for depth in range(1, PLAN_MAX_DEPTH + 1):
-        candidate = dataclasses.replace(hp, depth=depth, time_budget=float(budget_seconds))
+        candidate = dataclasses.replace(recipe, depth=depth, time_budget=float(budget_seconds))
         with torch.device("meta"):
             model = T.GPT(T.model_config(candidate))
         training_seconds = budget_seconds - T.checkpoint_save_reserve(model)
@@ -93,24 +93,24 @@ def plan_run(hp: T.Hyperparameters, ranks: int, budget_seconds: float, flops_per
     if best is None:
         raise ValueError(f"a budget of {budget_seconds:.0f}s leaves no time to train after saving the checkpoint")
     _, candidate, model, training_seconds, tokens = best
-    batch = planned_batch_size(tokens, hp.seq_len, ranks)
-    geometry = T.batch_geometry(batch, hp.device_batch_size, hp.seq_len, ranks)
+    batch = planned_batch_size(tokens, recipe.seq_len, ranks)
+    geometry = T.batch_geometry(batch, recipe.device_batch_size, recipe.seq_len, ranks)
     candidate = dataclasses.replace(candidate, total_batch_size=batch, device_batch_size=geometry.device_batch_size)
     return Plan(candidate, ranks, flops_per_second, throughput_source, model.num_params(), model.flops_per_token(),
                 training_seconds, geometry, int(tokens // batch))
 
 
 def format_plan(plan: Plan) -> str:
-    hp, g = plan.hp, plan.geometry
-    config = T.model_config(hp)
-    flags = f"--depth {hp.depth} --total-batch-size {hp.total_batch_size} --device-batch-size {hp.device_batch_size} " \
-            f"--time-budget {hp.time_budget:.0f}"
+    recipe, g = plan.recipe, plan.geometry
+    config = T.model_config(recipe)
+    flags = f"--depth {recipe.depth} --total-batch-size {recipe.total_batch_size} " \
+            f"--device-batch-size {recipe.device_batch_size} --time-budget {recipe.time_budget:.0f}"
     launch = f"torchrun --standalone --nproc_per_node={plan.ranks} train.py" if plan.ranks > 1 else "python train.py"
     per_rank = plan.flops_per_second / plan.ranks
     rows = [("throughput", f"{per_rank / 1e12:.1f} TFLOP/s per rank ({plan.throughput_source})"),
-            ("ranks", plan.ranks), ("budget_seconds", f"{hp.time_budget:.0f}"),
+            ("ranks", plan.ranks), ("budget_seconds", f"{recipe.time_budget:.0f}"),
             ("training_seconds", f"{plan.training_seconds:.0f}"),
-            ("depth", hp.depth), ("width", config.n_embd), ("heads", config.n_head),
+            ("depth", recipe.depth), ("width", config.n_embd), ("heads", config.n_head),
             ("parameters_M", f"{plan.params / 1e6:.1f}"), ("flops_per_token", f"{plan.flops_per_token:.4e}"),
             ("tokens_per_second", f"{plan.tokens_per_second:,.0f}"),
             ("batch", f"{g.total_batch_size:,} tokens = {g.device_batch_size} x {g.seq_len} x {g.world_size} ranks x "
@@ -121,21 +121,22 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
 
 
-def measure_training_throughput(hp: T.Hyperparameters, device_type: str, dtype: str, steps: int, warmup: int) -> dict:
-    """One process training the model of `hp` on random tokens (throughput does not depend on the text):
-    tokens/s and MFU over `steps` optimizer steps, after `warmup` steps that include compilation."""
-    profile = T.device_profile(device_type, dtype)
+def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int,
+                                warmup: int) -> dict:
+    """One process training the model of `recipe` on random tokens (throughput does not depend on the
+    text): tokens/s and MFU over `steps` optimizer steps, after `warmup` steps that include compilation."""
+    profile = T.device_profile(device_type, recipe.dtype)
     device = torch.device(device_type)
-    model = T.build_model(T.model_config(hp), device, dtype, hp.chunked_loss)
+    model = T.build_model(T.model_config(recipe), device, recipe.dtype, options.chunked_loss)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
-    geometry = T.batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, 1)
+    optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
+    geometry = T.batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
 
     def batches():
         while True:
-            x = torch.randint(0, 8183, (geometry.device_batch_size, hp.seq_len + 1), device=device)
+            x = torch.randint(0, 8183, (geometry.device_batch_size, recipe.seq_len + 1), device=device)
             yield x[:, :-1], x[:, 1:], {}
 
     data = batches()
@@ -149,7 +150,7 @@ def measure_training_throughput(hp: T.Hyperparameters, device_type: str, dtype: 
         T.train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
     T.synchronize(device)
     dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
-    tok_s = hp.total_batch_size / dt
+    tok_s = recipe.total_batch_size / dt
     return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
             "step_s": dt, "cpu_step_s": cpu_dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
             "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
@@ -177,43 +178,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """The throughput from a measurement, a probe or an assumed MFU, then the plan."""
-    hp, options, _ = T.parse_command_line(argv, build_parser())
-    budget = options.budget if options.budget is not None else hp.time_budget
-    if options.ranks < 1 or budget <= 0:
-        raise SystemExit(f"error: the planner needs --ranks >= 1 and --budget > 0, got {options.ranks}, {budget}")
-    target = hp.device if hp.device not in ("", "auto") else "neuron"  # the competition's device, unless told
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    recipe, options, _ = T.settings_from(args, parser)
+    budget = args.budget if args.budget is not None else recipe.time_budget
+    if args.ranks < 1 or budget <= 0:
+        raise SystemExit(f"error: the planner needs --ranks >= 1 and --budget > 0, got {args.ranks}, {budget}")
+    target = options.device if options.device not in ("", "auto") else "neuron"  # the competition's device, unless told
     with torch.device("meta"):
-        flops_per_token = T.GPT(T.model_config(hp)).flops_per_token()  # the model the other flags describe
-    if options.tokens_per_second is not None:
-        measured_ranks = options.measured_ranks or options.ranks
-        if options.tokens_per_second <= 0 or measured_ranks < 1:
+        flops_per_token = T.GPT(T.model_config(recipe)).flops_per_token()  # the model the other flags describe
+    if args.tokens_per_second is not None:
+        measured_ranks = args.measured_ranks or args.ranks
+        if args.tokens_per_second <= 0 or measured_ranks < 1:
             raise SystemExit("error: --tokens-per-second and --measured-ranks must be positive")
-        per_rank = options.tokens_per_second / measured_ranks * flops_per_token
-        source = f"measured {options.tokens_per_second:,.0f} tokens/s of the depth-{hp.depth} model on " \
+        per_rank = args.tokens_per_second / measured_ranks * flops_per_token
+        source = f"measured {args.tokens_per_second:,.0f} tokens/s of the depth-{recipe.depth} model on " \
                  f"{measured_ranks} ranks"
-    elif options.probe:
+    elif args.probe:
         here = T.detect_device_type()
         if target != here:
             raise SystemExit(f"error: --probe measures on the device it plans for ({target}), and this machine's is "
                              f"{here}: pass --device {here} to plan for it, or give --tokens-per-second or --mfu")
-        print(f"probe: {PLAN_PROBE_WARMUP} + {PLAN_PROBE_STEPS} steps of the depth-{hp.depth} model on {target}",
-              flush=True)
-        r = measure_training_throughput(hp, target, hp.dtype, PLAN_PROBE_STEPS, PLAN_PROBE_WARMUP)
+        print(f"probe: {PLAN_PROBE_WARMUP} + {PLAN_PROBE_STEPS} steps of the depth-{recipe.depth} model on "
+              f"{target}", flush=True)
+        r = measure_training_throughput(recipe, options, target, PLAN_PROBE_STEPS, PLAN_PROBE_WARMUP)
         per_rank = r["achieved_tflops"] * 1e12
-        source = f"probe: {r['tokens_per_second']:,.0f} tokens/s of the depth-{hp.depth} model on one {target} " \
-                 f"rank, {r['mfu_percent']:.1f}% MFU"
+        source = f"probe: {r['tokens_per_second']:,.0f} tokens/s of the depth-{recipe.depth} model on one " \
+                 f"{target} rank, {r['mfu_percent']:.1f}% MFU"
     else:
-        mfu = options.mfu if options.mfu is not None else PLAN_ASSUMED_MFU
+        mfu = args.mfu if args.mfu is not None else PLAN_ASSUMED_MFU
         if not 0 < mfu <= 1:
             raise SystemExit(f"error: --mfu is a fraction in (0, 1], got {mfu}")
         if target == "cuda" and not torch.cuda.is_available():
             raise SystemExit("error: an MFU-based plan for cuda reads the GPU's peak, and this machine has no GPU; "
                              "plan on the GPU machine, or give --tokens-per-second")
-        profile = T.device_profile(target, hp.dtype)
+        profile = T.device_profile(target, recipe.dtype)
         per_rank = mfu * profile.peak_flops
-        source = f"{'assumed' if options.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
+        source = f"{'assumed' if args.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
                  f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
-    print(format_plan(plan_run(hp, options.ranks, budget, per_rank * options.ranks, source)))
+    print(format_plan(plan_run(recipe, args.ranks, budget, per_rank * args.ranks, source)))
     return 0
 
 
