@@ -259,11 +259,10 @@ class GPT(nn.Module):
                                                  cap, self.compute_dtype or x.dtype, kernel)
         if targets is not None and kernel:
             return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
-        if targets is None and not (torch.is_grad_enabled() and logits.requires_grad):
-            return logits.float().div_(cap).tanh_().mul_(cap)  # in place: no [B, T, V] copies for the scorers
-        logits = cap * torch.tanh(logits.float() / cap)
-        if targets is None:
-            return logits
+        logits = logits.float()
+        if targets is None:  # where no gradient flows (the scorers), in place: no [B, T, V] copies
+            return cap * torch.tanh(logits / cap) if logits.requires_grad else logits.div_(cap).tanh_().mul_(cap)
+        logits = cap * torch.tanh(logits / cap)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
     def rotary(self, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,91 +285,6 @@ def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", chunked_lo
     model.compute_dtype = compute_dtype_for(torch.device(device).type, dtype)
     model.chunked_loss = chunked_loss
     return model
-
-
-# The training loss never holds the logits of the whole batch: LOSS_CHUNKS slices of rows in turn go
-# through lm_head, the softcap and the cross-entropy, and each slice's gradient (with respect to the head's
-# input and weight) is taken on the spot, so nothing of a slice outlives it. The plain path keeps fp32
-# [B*T, vocab] logits and as many again for the softmax and its gradient; taking the gradient in the
-# forward (as Liger's fused linear cross-entropy does) also spares the recomputation of the logits that a
-# checkpointed slice would run in the backward.
-LOSS_CHUNKS = 4  # a count, not a size: torch.compile unrolls the loop (compile time grew from 14 s to 39 s
-                 # at 1 to 16 slices in one test on 2 cores) and each slice is two dozen more ops for an eager
-                 # device to dispatch; 4 slices already keep three quarters of the plain path's logits away
-
-
-def softcap_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, cap: float, grad_scale: float,
-                               need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Cross-entropy of z = cap * tanh(logits / cap) per row (fp32, or float64 for float64 logits), and the
-    gradient of grad_scale * sum(loss) with respect to the logits, in their dtype (None if not need_grad):
-    (softmax(z) - onehot(target)) * (1 - tanh^2) * grad_scale."""
-    t = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap).tanh_()
-    z = t * cap
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    loss = (lse - z.gather(1, targets[:, None])).squeeze(1)
-    if not need_grad:
-        return loss, None
-    p = z.sub_(lse).exp_()  # softmax(z), in z's memory
-    tanh_sq = t.mul_(t)  # in t's memory
-    target_term = 1 - tanh_sq.gather(1, targets[:, None])
-    dlogits = p.addcmul_(p, tanh_sq, value=-1).scatter_add_(1, targets[:, None], -target_term)
-    return loss, dlogits.mul_(grad_scale).to(logits.dtype)
-
-
-def kernel_cross_entropy_rows(kernel, logits, targets, cap, grad_scale, need_grad):
-    """softcap_cross_entropy_rows through an autograd-aware kernel (--nki-softcap-ce: its forward and
-    backward kernels). Eager only, as every NKI path of the kit."""
-    with torch.enable_grad():
-        logits = logits.detach().requires_grad_(need_grad)
-        loss = kernel(logits, targets, cap)
-        if not need_grad:
-            return loss.detach(), None
-        (dlogits,) = torch.autograd.grad(loss.sum() * grad_scale, logits)
-    return loss.detach(), dlogits
-
-
-class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
-    """Mean softcapped cross-entropy of h @ weight.T against targets (h [N, C], weight [V, C], targets [N]),
-    in LOSS_CHUNKS slices of rows, matmuls in `dtype`. The gradients are computed in the forward
-    (need_grad) and scaled by the incoming gradient in the backward. kernel: the --nki-softcap-ce op, or None."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, cap: float, dtype: torch.dtype, kernel, need_grad: bool):
-        n = h.shape[0]
-        hc, wc = h.to(dtype), weight.to(dtype)
-        losses, grad_h, grad_weight = [], [], None
-        for h_rows, target_rows in zip(hc.chunk(LOSS_CHUNKS), targets.chunk(LOSS_CHUNKS)):
-            logits = h_rows @ wc.T
-            if kernel is None:
-                loss, dlogits = softcap_cross_entropy_rows(logits, target_rows, cap, 1 / n, need_grad)
-            else:
-                loss, dlogits = kernel_cross_entropy_rows(kernel, logits, target_rows, cap, 1 / n, need_grad)
-            losses.append(loss.sum())
-            if need_grad:
-                grad_h.append(dlogits @ wc)
-                chunk_grad = (dlogits.T @ h_rows).to(weight.dtype)  # summed over chunks at the weight's precision
-                grad_weight = chunk_grad if grad_weight is None else grad_weight + chunk_grad
-        if need_grad:
-            ctx.save_for_backward(torch.cat(grad_h).to(h.dtype), grad_weight)
-        ctx.need_grad = need_grad
-        return torch.stack(losses).sum() / n
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        if not ctx.need_grad:
-            raise RuntimeError("chunked_softcap_cross_entropy ran without gradients (under no_grad, or on inputs "
-                               "that do not require them) and cannot be differentiated")
-        grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad, grad_weight * grad, None, None, None, None, None
-
-
-def chunked_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
-                                  dtype: torch.dtype, kernel=None) -> torch.Tensor:
-    """The training loss: mean cross-entropy of cap * tanh((h @ weight.T) / cap) against targets, as
-    F.cross_entropy on the full logits gives it, without ever holding them (see LOSS_CHUNKS)."""
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return ChunkedSoftcapCrossEntropy.apply(h, weight, targets, cap, dtype, kernel, need_grad)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -666,7 +580,7 @@ def train(recipe: Recipe, options: RunOptions, profile: DeviceProfile, device: t
         print0(f"batch geometry: {geometry.note}")
     print0(f"batch: {recipe.total_batch_size:,} tokens = {geometry.device_batch_size} x {recipe.seq_len} x "
            f"{world_size} ranks x {geometry.grad_accum_steps} accumulation | budget {recipe.time_budget:.0f}s, of "
-           f"which {reserve:.0f}s kept for the save | schedules on {'steps' if recipe.max_steps else 'charged time'}")
+           f"which {reserve:.0f}s kept for the save | schedules on {'steps' if recipe.max_steps > 0 else 'charged time'}")
     if options.resume:
         print0(f"resumed: {options.resume} at step {run.step}, {run.charged_seconds:.1f}s charged so far")
 
@@ -757,8 +671,9 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 
 # ===============================================================================================
 # MACHINERY: what a run needs around the recipe, rarely edited. Devices, kernel routing (and the
-# inline NKI kernel), gradient communication and ZeRO-1, batch geometry, the budget clock,
-# checkpoint and resume, the command line with the organisers' aliases, main().
+# inline NKI kernel), the chunked loss's implementation, gradient communication and ZeRO-1, batch
+# geometry, the budget clock, checkpoint and resume, the command line with the organisers' aliases,
+# main().
 # ===============================================================================================
 
 # -----------------------------------------------------------------------------------------------
@@ -781,12 +696,8 @@ class DeviceProfile:
 
 
 # The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
-# process. On a shared 2-vCPU machine the best of ten two-thread 2048^2 bf16 matmuls (the peak this
-# replaced) measured 58-204 GFLOP/s across eight busy processes and 399-418 once the machine was quieter:
-# a multi-threaded call waits for its slowest thread, and a call of tens of milliseconds rarely runs
-# without another process taking one of the cores. One thread on calls of ~1 ms, best of many, measured
-# 446-451 (x2 threads) in the same processes, busy or quiet: interference only slows a call, so the best
-# call is the core's own speed. The larger sizes count on a quiet machine, where they may run faster.
+# process. Interference from other processes only slows a call, so the best of many ~1 ms calls is the
+# core's own speed, busy machine or quiet (README, "The CPU peak": two-thread calls swung by 3x).
 CPU_PEAK_SIZES = (256, 512, 1024)
 CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
 CPU_PEAK_MIN_CALLS = 3
@@ -1088,6 +999,94 @@ def setup_kernels(options: RunOptions, device_type: str) -> None:
 def on_kernel(name: str, x: torch.Tensor):
     """The NKI implementation of op `name` if it is enabled and x lives on the neuron device."""
     return KERNELS.get(name) if x.device.type == "neuron" else None
+
+
+# -----------------------------------------------------------------------------------------------
+# The chunked training loss: softcap + cross-entropy without the logits of the whole batch
+# -----------------------------------------------------------------------------------------------
+# The training loss never holds the logits of the whole batch: LOSS_CHUNKS slices of rows in turn go
+# through lm_head, the softcap and the cross-entropy, and each slice's gradient (with respect to the head's
+# input and weight) is taken on the spot, so nothing of a slice outlives it. The plain path keeps fp32
+# [B*T, vocab] logits and as many again for the softmax and its gradient; taking the gradient in the
+# forward (as Liger's fused linear cross-entropy does) also spares the recomputation of the logits that a
+# checkpointed slice would run in the backward.
+LOSS_CHUNKS = 4  # a count, not a size: torch.compile unrolls the loop (compile time grew from 14 s to 39 s
+                 # at 1 to 16 slices in one test on 2 cores) and each slice is two dozen more ops for an eager
+                 # device to dispatch; 4 slices already keep three quarters of the plain path's logits away
+
+
+def softcap_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, cap: float, grad_scale: float,
+                               need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cross-entropy of z = cap * tanh(logits / cap) per row (fp32, or float64 for float64 logits), and the
+    gradient of grad_scale * sum(loss) with respect to the logits, in their dtype (None if not need_grad):
+    (softmax(z) - onehot(target)) * (1 - tanh^2) * grad_scale."""
+    t = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap).tanh_()
+    z = t * cap
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    loss = (lse - z.gather(1, targets[:, None])).squeeze(1)
+    if not need_grad:
+        return loss, None
+    p = z.sub_(lse).exp_()  # softmax(z), in z's memory
+    tanh_sq = t.mul_(t)  # in t's memory
+    target_term = 1 - tanh_sq.gather(1, targets[:, None])
+    dlogits = p.addcmul_(p, tanh_sq, value=-1).scatter_add_(1, targets[:, None], -target_term)
+    return loss, dlogits.mul_(grad_scale).to(logits.dtype)
+
+
+def kernel_cross_entropy_rows(kernel, logits, targets, cap, grad_scale, need_grad):
+    """softcap_cross_entropy_rows through an autograd-aware kernel (--nki-softcap-ce: its forward and
+    backward kernels). Eager only, as every NKI path of the kit."""
+    with torch.enable_grad():
+        logits = logits.detach().requires_grad_(need_grad)
+        loss = kernel(logits, targets, cap)
+        if not need_grad:
+            return loss.detach(), None
+        (dlogits,) = torch.autograd.grad(loss.sum() * grad_scale, logits)
+    return loss.detach(), dlogits
+
+
+class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
+    """Mean softcapped cross-entropy of h @ weight.T against targets (h [N, C], weight [V, C], targets [N]),
+    in LOSS_CHUNKS slices of rows, matmuls in `dtype`. The gradients are computed in the forward
+    (need_grad) and scaled by the incoming gradient in the backward. kernel: the --nki-softcap-ce op, or None."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, cap: float, dtype: torch.dtype, kernel, need_grad: bool):
+        n = h.shape[0]
+        hc, wc = h.to(dtype), weight.to(dtype)
+        losses, grad_h, grad_weight = [], [], None
+        for h_rows, target_rows in zip(hc.chunk(LOSS_CHUNKS), targets.chunk(LOSS_CHUNKS)):
+            logits = h_rows @ wc.T
+            if kernel is None:
+                loss, dlogits = softcap_cross_entropy_rows(logits, target_rows, cap, 1 / n, need_grad)
+            else:
+                loss, dlogits = kernel_cross_entropy_rows(kernel, logits, target_rows, cap, 1 / n, need_grad)
+            losses.append(loss.sum())
+            if need_grad:
+                grad_h.append(dlogits @ wc)
+                chunk_grad = (dlogits.T @ h_rows).to(weight.dtype)  # summed over chunks at the weight's precision
+                grad_weight = chunk_grad if grad_weight is None else grad_weight + chunk_grad
+        if need_grad:
+            ctx.save_for_backward(torch.cat(grad_h).to(h.dtype), grad_weight)
+        ctx.need_grad = need_grad
+        return torch.stack(losses).sum() / n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if not ctx.need_grad:
+            raise RuntimeError("chunked_softcap_cross_entropy ran without gradients (under no_grad, or on inputs "
+                               "that do not require them) and cannot be differentiated")
+        grad_h, grad_weight = ctx.saved_tensors
+        return grad_h * grad, grad_weight * grad, None, None, None, None, None
+
+
+def chunked_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
+                                  dtype: torch.dtype, kernel=None) -> torch.Tensor:
+    """The training loss: mean cross-entropy of cap * tanh((h @ weight.T) / cap) against targets, as
+    F.cross_entropy on the full logits gives it, without ever holding them (see LOSS_CHUNKS)."""
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return ChunkedSoftcapCrossEntropy.apply(h, weight, targets, cap, dtype, kernel, need_grad)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1578,7 +1577,7 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
 # Resumable runs. --save-every SECONDS writes the full training state under out_dir/state:
 # step_NNNNNN/model.pt (weights, checkpoint format), step_NNNNNN/optimizer_rankNNNNN.pt (each rank's
 # optimizer.state_dict(), its shard when the optimizer is sharded, and its CPU RNG state), and latest.json
-# (step, tokens, charged seconds, batch geometry, flags). Every rank writes its files, all meet at a
+# (step, tokens, charged seconds, batch geometry, the recipe). Every rank writes its files, all meet at a
 # barrier, and only then rank 0 points latest.json at the new folder and removes the older ones: a
 # crash at any moment leaves the previous snapshot whole. The loader position is the step count
 # (make_dataloader(start_batch=...) skips what was consumed). On several servers, --out-dir must be

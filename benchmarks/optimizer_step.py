@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import train as T  # noqa: E402
+from tools.plan import random_batches  # noqa: E402
 
 
 def new_model(recipe: T.Recipe, device: torch.device) -> T.GPT:
@@ -53,12 +54,7 @@ def time_training(recipe: T.Recipe, options: T.RunOptions, device_type: str, ste
     optimizer.register_step_pre_hook(start)
     optimizer.register_step_post_hook(stop)
 
-    def batches():
-        while True:
-            x = torch.randint(0, 8183, (recipe.device_batch_size, recipe.seq_len + 1), device=device)
-            yield x[:, :-1], x[:, 1:], {}
-
-    data = batches()
+    data = random_batches(recipe.device_batch_size, recipe.seq_len, device)
     t0 = time.perf_counter()
     for _ in range(warmup):
         T.apply_schedules(optimizer, 0.1, recipe)

@@ -121,10 +121,17 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
 
 
+def random_batches(rows: int, seq_len: int, device: torch.device):
+    """Endless (inputs, targets, state) of random tokens: throughput does not depend on the text."""
+    while True:
+        x = torch.randint(0, 8183, (rows, seq_len + 1), device=device)
+        yield x[:, :-1], x[:, 1:], {}
+
+
 def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int,
                                 warmup: int) -> dict:
-    """One process training the model of `recipe` on random tokens (throughput does not depend on the
-    text): tokens/s and MFU over `steps` optimizer steps, after `warmup` steps that include compilation."""
+    """One process training the model of `recipe` on random tokens: tokens/s and MFU over `steps`
+    optimizer steps, after `warmup` steps that include compilation."""
     profile = T.device_profile(device_type, recipe.dtype)
     device = torch.device(device_type)
     model = T.build_model(T.model_config(recipe), device, recipe.dtype, options.chunked_loss)
@@ -134,12 +141,7 @@ def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_
     step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
     geometry = T.batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
 
-    def batches():
-        while True:
-            x = torch.randint(0, 8183, (geometry.device_batch_size, recipe.seq_len + 1), device=device)
-            yield x[:, :-1], x[:, 1:], {}
-
-    data = batches()
+    data = random_batches(geometry.device_batch_size, recipe.seq_len, device)
     t0 = time.time()
     for _ in range(warmup):
         T.train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
