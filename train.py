@@ -1746,10 +1746,11 @@ def build_parser() -> argparse.ArgumentParser:
     for kind in (Recipe, RunOptions):
         group = parser.add_argument_group(f"{kind.__name__} (see its comments in train.py)")
         for f in dataclasses.fields(kind):
-            flags = ["--" + f.name.replace("_", "-"), *([OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES
-                                                         else [])]
-            help_text = f"default: {f.default!r}" + (f"; environment: {' or '.join(ENVIRONMENT[f.name])}"
-                                                     if f.name in ENVIRONMENT else "")
+            official = [OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else []
+            flags = ["--" + f.name.replace("_", "-"), *official]
+            help_text = f"default: {f.default!r}"
+            if f.name in ENVIRONMENT:
+                help_text += f"; environment: {' or '.join(ENVIRONMENT[f.name])}"
             if f.type in ("bool", bool):
                 group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)
@@ -1765,22 +1766,24 @@ def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) ->
     values, used = {}, {}
     for name, variables in ENVIRONMENT.items():
         found = {var: environ[var].strip() for var in variables if environ.get(var, "").strip()}
+        if not found:
+            continue
         if len(set(found.values())) > 1:
             parser.error(" and ".join(f"{var}={raw!r}" for var, raw in found.items()) + " disagree; they mean the "
                          "same thing: unset one")
-        for var, raw in list(found.items())[:1]:
-            try:
-                if types[name] == "bool":
-                    if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
-                        raise ValueError
-                    values[name] = raw.lower() in TRUE_WORDS
-                else:
-                    values[name] = {"int": int, "float": float, "str": str}[types[name]](raw)
-            except ValueError:
-                kind = {"bool": f"one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}", "int": "an integer",
-                        "float": "a number"}[types[name]]
-                parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
-            used[name] = f"{var}={raw}"
+        var, raw = next(iter(found.items()))  # (the others say the same)
+        try:
+            if types[name] == "bool":
+                if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
+                    raise ValueError
+                values[name] = raw.lower() in TRUE_WORDS
+            else:
+                values[name] = {"int": int, "float": float, "str": str}[types[name]](raw)
+        except ValueError:
+            kind = {"bool": f"one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}", "int": "an integer",
+                    "float": "a number"}[types[name]]
+            parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
+        used[name] = f"{var}={raw}"
     return values, used
 
 

@@ -141,6 +141,7 @@ def test_official_environment_changes_the_run(tmp_path, text_dataset):
     assert model_compiles == [{"backend": "inductor", "dynamic": False}]
     assert math.isfinite(float(s["val_bpb"])) and int(s["eval_tokens"]) <= 2048
     assert [c["max_tokens"] for c in record["evaluate_bpb"]] == [2048]
+    assert record["ledger_last_step"] == 2  # the harness's ledger took steps 0, 1, 2 (it refuses any other order)
     assert "environment: NEURON_COMPETITION_R1_NUM_STEPS=3 sets --max-steps" in result.stdout
     assert (tmp_path / "a" / "final.pt").exists()
 

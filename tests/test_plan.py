@@ -70,10 +70,10 @@ def test_planner_probe_measures_this_device(capsys):
 
 def test_phase2_preset_is_the_plan_for_16_chips_4_hours(monkeypatch):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    hp, options, _ = T.parse_command_line(["--preset", "phase2"])
+    recipe, options, _ = T.parse_command_line(["--preset", "phase2"])
     flops = P.PLAN_ASSUMED_MFU * T.device_profile("neuron").peak_flops * 64
-    plan = P.plan_run(hp, 64, hp.time_budget, flops)
-    assert (plan.recipe.depth, plan.recipe.total_batch_size) == (hp.depth, hp.total_batch_size)
-    assert hp.time_budget == 14400 and options.save_every > 0
+    plan = P.plan_run(recipe, 64, recipe.time_budget, flops)
+    assert (plan.recipe.depth, plan.recipe.total_batch_size) == (recipe.depth, recipe.total_batch_size)
+    assert recipe.time_budget == 14400 and options.save_every > 0
     for world in (64, 128, 256):  # LNC=2, LNC=1, two servers at LNC=1
-        T.batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, world)
+        T.batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, world)
