@@ -3,8 +3,9 @@ The baseline recipe: a nanochat-style GPT trained with Muon + AdamW for a fixed 
 This is the one file a participant edits. The recipe comes first, top to bottom: its hyperparameters,
 the model and its loss, the optimizer's update rule and parameter table, the schedules, the training
 step and loop, load_for_eval. Under the banner "Machinery" follows what a run needs and a recipe
-rarely touches: devices, kernel routing (with the inline NKI kernel), gradient communication and
-ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the command line, main().
+rarely touches: devices, kernel routing (with the inline NKI kernel), the chunked loss's insides,
+gradient communication and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the
+command line, main().
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks
@@ -671,7 +672,7 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 
 # ===============================================================================================
 # MACHINERY: what a run needs around the recipe, rarely edited. Devices, kernel routing (and the
-# inline NKI kernel), the chunked loss's implementation, gradient communication and ZeRO-1, batch
+# inline NKI kernel), the chunked loss's insides, gradient communication and ZeRO-1, batch
 # geometry, the budget clock, checkpoint and resume, the command line with the organisers' aliases,
 # main().
 # ===============================================================================================

@@ -232,7 +232,6 @@ def test_train_py_imports_only_the_organisers_names_from_prepare():
                 and any(a.name in ("prepare", "harness") or a.name.startswith("harness.") for a in node.names)]
 
 
-@pytest.mark.slow
 def test_train_py_runs_under_a_prepare_py_with_only_the_organisers_names(tmp_path, text_dataset):
     """train.py alone in a folder (no kernels/, no harness/ beside it) with a prepare.py that has only the
     organisers' names: it trains a few steps, prints its own budget figures, writes out/final.pt where the
