@@ -17,20 +17,19 @@ question), so this scorer computes that prefix once per example instead of once 
 
 - it sorts the sequences, groups neighbours by their longest common prefix (prefix_groups) and
   packs each group into one row: the shared prefix, then every member's own continuation;
-- one forward runs the packed rows with a mask (a continuation token sees the prefix and the
-  earlier tokens of its own continuation, never another member's) and rotary positions that
-  continue from the prefix into each continuation (packed_forward), so every member's logits are
-  the ones the model computes for it alone;
+- one forward of the model itself runs the packed rows, with an attention mask (a continuation
+  token sees the prefix and the earlier tokens of its own continuation, never another member's:
+  packed_mask) and rotary positions that continue from the prefix into each continuation
+  (train.py's GPT.forward takes both), so every member's logits are the ones the model computes
+  for it alone;
 - each member's losses and greedy predictions are read from the prefix positions and its own.
 
 Packed rows are sorted by length, padded on the right to a bucketed length, and run as many per
 forward as fit in MAX_BATCH_TOKENS; on a device that compiles a graph per shape (Neuron) the last
-batch of a call is also padded to a power-of-two row count, so the model sees few shapes. packed_forward reproduces train.py's GPT.forward from the model's own
-modules (x0 mixing, rotary + QK-norm, ReLU^2 MLP, softcap); when the model lacks those pieces or
-a small probe shows that packed_forward no longer computes what model(x) does (a changed
-architecture), the scorer says so once and scores every sequence in full (score_plain), padded
-in batches the same way. If you change the GPT in train.py, change packed_forward with it: until
-then the probe keeps the cache off.
+batch of a call is also padded to a power-of-two row count, so the model sees few shapes. When the
+model's forward takes no `positions` and `attn_mask`, or a small probe at load time shows that
+the packed rows do not score what model(x) does (a forward that ignores them), the scorer says so
+once and scores every sequence in full (score_plain), padded in batches the same way.
 
 Why packed rows and not a KV cache: one forward per batch, nothing kept between forwards, and the
 plain path's static-shape batching; the price is attention over the whole packed row (the mask
@@ -43,6 +42,7 @@ hides.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import sys
@@ -123,52 +123,10 @@ def row_bucket(rows: int, most: int) -> int:
 
 
 # -----------------------------------------------------------------------------------------------
-# The model over packed rows, from its own modules
+# Packed rows through the model: the mask, and the probe that checks the model honours it
 # -----------------------------------------------------------------------------------------------
 
-MODEL_PIECES = ("wte", "blocks", "lm_head", "resid_lambdas", "x0_lambdas", "cos", "sin", "config")
-BLOCK_PIECES = ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "attn.n_head", "attn.head_dim", "mlp")
-MODULE_FUNCTIONS = ("norm", "rope_qknorm", "autocast_context")
-
-
-def model_module(model: torch.nn.Module):
-    """The module that defines the model's class or the nearest base class that has the functions
-    the model's forward uses (train.py's norm, rope_qknorm, autocast_context); None if none does."""
-    for cls in type(model).__mro__:
-        module = sys.modules.get(cls.__module__)
-        if all(hasattr(module, f) for f in MODULE_FUNCTIONS):
-            return module
-    return None
-
-
-def missing_pieces(model: torch.nn.Module) -> list[str]:
-    """What packed_forward needs and the model lacks (empty: it has everything)."""
-    def has(obj, dotted):
-        for name in dotted.split("."):
-            if not hasattr(obj, name):
-                return False
-            obj = getattr(obj, name)
-        return True
-    missing = [p for p in MODEL_PIECES if not has(model, p)]
-    if not missing:
-        missing += [f"blocks[*].{p}" for p in BLOCK_PIECES if not all(has(b, p) for b in model.blocks)]
-        if not has(model.config, "logit_softcap"):
-            missing.append("config.logit_softcap")
-    if model_module(model) is None:
-        missing.append(f"module defining {', '.join(MODULE_FUNCTIONS)} (as train.py does)")
-    return missing
-
-
-def packed_attention(attn, x, cos, sin, mask, rope_qknorm):
-    """train.py's CausalSelfAttention.forward with rotary angles per token and a mask (None: causal)."""
-    B, L, C = x.shape
-    q = attn.c_q(x).view(B, L, attn.n_head, attn.head_dim)
-    k = attn.c_k(x).view(B, L, attn.n_head, attn.head_dim)
-    v = attn.c_v(x).view(B, L, attn.n_head, attn.head_dim)
-    q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                       is_causal=mask is None)
-    return attn.c_proj(y.transpose(1, 2).reshape(B, L, C))
+PACKED_ROW_ARGUMENTS = ("positions", "attn_mask")  # what the model's forward must take to run packed rows
 
 
 def packed_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -178,25 +136,6 @@ def packed_mask(segments: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(L, L, dtype=torch.bool, device=segments.device).tril()
     key, query = segments[:, None, :], segments[:, :, None]
     return (causal & ((key == 0) | (key == query)))[:, None]
-
-
-def packed_forward(model, idx: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
-    """Logits [B, L, vocab] (fp32, softcapped) of train.py's GPT over packed rows: idx, positions
-    (rotary) and segments (see packed_mask) all [B, L]; segments None when every row holds one
-    sequence (plain causal attention, as model(x) runs it). Equal to model(x) for each
-    member alone."""
-    T = model_module(model)
-    cos, sin = model.cos[0, positions], model.sin[0, positions]  # [B, L, 1, head_dim / 2]
-    mask = packed_mask(segments) if segments is not None else None
-    with T.autocast_context(idx.device.type, getattr(model, "compute_dtype", None)):
-        x = x0 = T.norm(model.wte(idx))
-        for i, block in enumerate(model.blocks):
-            x = model.resid_lambdas[i] * x + model.x0_lambdas[i] * x0
-            x = x + packed_attention(block.attn, T.norm(x), cos, sin, mask, T.rope_qknorm)
-            x = x + block.mlp(T.norm(x))
-        logits = model.lm_head(T.norm(x))
-    cap = model.config.logit_softcap
-    return logits.float().div_(cap).tanh_().mul_(cap)  # cap * tanh(logits / cap), in place: no [B, L, V] copies
 
 
 def probe_sequences(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -219,23 +158,24 @@ class Scorer:
         self.prefix_cache = prefix_cache and self.packing_works()
 
     def packing_works(self) -> bool:
-        """Whether packed_forward can score this model: it has the pieces, and on a probe the packed
-        losses equal the plain ones. Says why not, once."""
-        missing = missing_pieces(self.model)
-        problem = f"the model has no {', '.join(missing)}" if missing else ""
+        """Whether packed rows score this model: its forward takes positions and a mask, and on a probe the
+        packed losses equal the plain ones. Says why not, once."""
+        takes = inspect.signature(self.model.forward).parameters
+        missing = [a for a in PACKED_ROW_ARGUMENTS if a not in takes]
+        problem = f"the model's forward takes no {' or '.join(missing)}" if missing else ""
         if not problem:
             dtype = getattr(self.model, "compute_dtype", None) or torch.float32
             tolerance = PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE[torch.bfloat16])
             try:
-                probe = probe_sequences(self.model.wte.num_embeddings)
+                probe = probe_sequences(self.model.config.vocab_size)
                 packed, plain = self.score_packed(probe), self.score_plain(probe)
             except Exception as e:
-                problem = f"packed_forward failed on a probe ({type(e).__name__}: {e})"
+                problem = f"packed rows failed on a probe ({type(e).__name__}: {e})"
             else:
                 diff = max(float((a[0] - b[0]).abs().mean()) for a, b in zip(packed, plain))
                 if not diff <= tolerance:
                     problem = (f"on a probe its losses differ from model(x)'s by {diff:.3g} nats on average "
-                               f"(tolerance {tolerance}): the model's forward is not the one packed_forward reproduces")
+                               f"(tolerance {tolerance}): its forward does not honour positions and attn_mask")
             self.tokens_run = 0
         if problem:
             print(f"inference.py: prefix cache off, every sequence is scored in full: {problem}", file=sys.stderr,
@@ -298,8 +238,10 @@ class Scorer:
             for r, ((tokens, pos, seg, _), _) in enumerate(batch):
                 idx[r, :len(tokens)], positions[r, :len(pos)] = torch.tensor(tokens), torch.tensor(pos)
                 segments[r, :len(seg)] = torch.tensor(seg)
-            logits = packed_forward(self.model, idx.to(self.device), positions.to(self.device),
-                                    None if lone else segments.to(self.device))
+            # lone rows run plain causal attention, as model(x) does; packed ones with their positions and mask
+            logits = self.model(idx.to(self.device)) if lone else \
+                self.model(idx.to(self.device), positions=positions.to(self.device),
+                           attn_mask=packed_mask(segments.to(self.device)))
             self.tokens_run += idx.numel()
             for r0 in range(0, len(batch), LOSS_CHUNK_ROWS):
                 chunk = logits[r0:r0 + LOSS_CHUNK_ROWS]

@@ -23,8 +23,7 @@ from harness.config import (BOS_TOKEN, CLIMBMIX_BASE_URL, CLIMBMIX_LAST_SHARD, C
                             EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, PHASE_BUDGET_SECONDS,
                             SHIPPED_TOKENIZER_DIR, SPECIAL_TOKENS, SPLIT_PATTERN, TOKENIZER_VOCAB_SIZE,
                             TRAIN_EVAL_TOKENS, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED,
-                            TRAIN_TIME_BUDGET_SECONDS, cache_root, default_out_dir, default_train_eval_public,
-                            default_train_eval_tokens, env_setting)
+                            TRAIN_TIME_BUDGET_SECONDS, cache_root)
 from harness.data import active_dataset_dir, check_shard, load_manifest, split_shards
 from harness.ledger import (budget_status, charged_seconds, median_step_seconds, record_step_boundary,
                             resume_ledger)
@@ -41,8 +40,7 @@ __all__ = [
     # the kit's own additions
     "EVAL_SEQ_LEN", "EVAL_TOKENS", "EVAL_BATCH_SIZE", "TRAIN_EVAL_TOKENS", "COMPETITION_PHASE", "PHASE_BUDGET_SECONDS",
     "SPECIAL_TOKENS", "BOS_TOKEN", "SPLIT_PATTERN", "CLIMBMIX_BASE_URL", "CLIMBMIX_LAST_SHARD",
-    "SHIPPED_TOKENIZER_DIR", "budget_status", "charged_seconds", "median_step_seconds", "resume_ledger",
-    "default_out_dir", "default_train_eval_public", "default_train_eval_tokens", "env_setting", "cache_root",
+    "SHIPPED_TOKENIZER_DIR", "budget_status", "charged_seconds", "median_step_seconds", "resume_ledger", "cache_root",
     "active_dataset_dir", "load_manifest", "split_shards", "check_shard", "_row_group_texts", "detect_device_type",
     "sha256_file", "atomic_write_bytes", "atomic_write_json", "HarnessError", "ConfigError", "DataError",
     "DownloadError", "BadShardError", "TokenizerError", "EvalRefused", "BudgetError",

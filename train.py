@@ -1,29 +1,37 @@
 """
-The baseline: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
-This is the one file a participant edits. It reads top to bottom: hyperparameters, devices,
-model (with an inline NKI kernel), optimizer, schedules, training step, checkpoint, scale
-(batch geometry, budget planner), main().
+The baseline recipe: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
+This is the one file a participant edits. The recipe comes first, top to bottom: its hyperparameters,
+the model and its loss, the optimizer's update rule and parameter table, the schedules, the training
+step and loop, load_for_eval. Under the banner "Machinery" follows what a run needs and a recipe
+rarely touches: devices, kernel routing (with the inline NKI kernel), the chunked loss's insides,
+gradient communication and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the
+command line, main().
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=64 train.py --preset phase2   # 16 chips, 4 h
-    python train.py --plan --ranks 64 --budget 14400   # size model and batch for a budget; trains nothing
     python train.py --preset cpu      # a laptop: 5 minutes that learn something
     python train.py --preset gpu      # one CUDA GPU, 5 minutes
 
 Every hyperparameter is a flag (--depth 12, --matrix-lr 0.03, ...); the organisers' spellings
 (--num-steps, --max-train-seconds, --device-type) and NEURON_COMPETITION_R1_* variables work too.
-The run writes out/final.pt and prints a summary after `---`; --save-every SECONDS and --resume
-out/state make a long run resumable. The scorer imports this file and calls load_for_eval().
+It imports from prepare.py only the names the organisers' prepare.py has, so it runs under their
+harness as under this kit's. The run writes out/final.pt and prints a summary after `---`;
+--save-every SECONDS and --resume out/state make a long run resumable. The scorer imports this file
+and calls load_for_eval(). Sizing a run for a budget is a tool beside it: python tools/plan.py.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import importlib
 import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,28 +41,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-from prepare import (EVAL_SEQ_LEN, TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_STEPS_EXCLUDED, TRAIN_TIME_BUDGET_SECONDS,
-                     HarnessError, budget_status, default_out_dir, default_train_eval_public, default_train_eval_tokens,
-                     detect_device_type, ensure_tokenizer, env_setting, evaluate_bpb, get_dist_info, make_dataloader,
-                     median_step_seconds, print0, record_step_boundary, resume_ledger)
+from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED,
+                     TRAIN_TIME_BUDGET_SECONDS, ensure_tokenizer, evaluate_bpb, get_dist_info, make_dataloader, print0,
+                     record_step_boundary)
 
-# -----------------------------------------------------------------------------------------------
-# Hyperparameters: every field is also a flag (--depth 12, --matrix-lr 0.03, --nki-relu2)
-# -----------------------------------------------------------------------------------------------
+# ===============================================================================================
+# THE RECIPE
+# ===============================================================================================
 
 
 @dataclass
-class Hyperparameters:
+class Recipe:
+    """The hyperparameters: everything that changes the training trajectory. Each is a flag (--depth 12,
+    --matrix-lr 0.03, ...), and --resume continues only a run of the same recipe. How a run executes
+    around it (device, compilation, kernels, output, snapshots) is RunOptions, under the banner below."""
     # Model
     depth: int = 10  # transformer blocks; depth 10 at aspect ratio 64 is ~59.6M parameters
     aspect_ratio: int = 64  # width = depth * aspect_ratio, rounded up to a multiple of head_dim
     head_dim: int = 128  # 128 matches the 128x128 TensorEngine and the 128-lane SBUF partitions
-    seq_len: int = 2048  # training context; the scorer evaluates at prepare.EVAL_SEQ_LEN
+    seq_len: int = 2048  # training context; the scorer evaluates at EVAL_SEQ_LEN
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
-    chunked_loss: bool = True  # head + softcap + loss in LOSS_CHUNKS slices of rows (never the full fp32 logits);
-                               # --no-chunked-loss: the plain path, e.g. to compare on a new device
     # Batch
     total_batch_size: int = 2**18  # tokens per optimizer step, all ranks together; half of autoresearch's
                                    # 2**19, since at a fixed budget more steps win
@@ -73,155 +83,599 @@ class Hyperparameters:
     muon_momentum_warmup_ratio: float = 0.15  # ... over this fraction of the budget
     muon_ns_steps: int = 5  # Polar Express iterations
     muon_beta2: float = 0.95  # NorMuon's second-moment decay
-    compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
-                                     # small ones: on, off, auto (on with --compile)
-    shard_optimizer: str = "auto"  # ZeRO-1 across ranks: each keeps state for, and updates, only its share:
-                                   # on, off, auto (on unless the matrices deal out unevenly, see build_optimizer)
-    grad_bucket_mb: float = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
     # Schedule, keyed to training progress (see training_progress: charged time, or steps when max_steps is set)
     warmup_ratio: float = 0.0
     warmdown_ratio: float = 0.5  # the last half of the budget decays the learning rate linearly
     final_lr_frac: float = 0.0  # learning rate at the end, as a fraction of the peak
-    # Run
-    time_budget: float = float(TRAIN_TIME_BUDGET_SECONDS)  # seconds of charged time (prepare's ledger), save included
+    # Length and numerics
+    time_budget: float = float(TRAIN_TIME_BUDGET_SECONDS)  # seconds of charged time (see BudgetClock), save included
     max_steps: int = 0  # stop after this many steps, and schedule on steps instead of time (0: the budget decides)
-    eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
-    eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
     seed: int = 42
-    device: str = ""  # neuron, cuda or cpu; empty (or auto): the fastest present
     dtype: str = "auto"  # compute dtype of matmuls: auto (bf16 where the device is fast at it), bf16, fp32
-    compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
-    nki_relu2: bool = False  # the MLP activation as the inline NKI kernel below (neuron device only)
-    nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
-    nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
-    nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
-    out_dir: str = "out"
-    save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none); a crash then
-                             # loses at most this much training
-    resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same flags
-    log_every: int = 10  # print a progress line every this many steps
-    inject_nan_step: int = -1  # test hook: make the loss NaN at this step, to exercise the failure path
 
 
-# The organisers' baseline train.py spells three flags differently and reads four settings from the
-# environment. Both spellings are accepted with the same meaning. Precedence, lowest first: the
-# defaults above, --preset, the environment, the command line.
-OFFICIAL_FLAG_NAMES = {"max_steps": "--num-steps", "time_budget": "--max-train-seconds", "device": "--device-type"}
-OFFICIAL_ENVIRONMENT = {"max_steps": "NEURON_COMPETITION_R1_NUM_STEPS",
-                        "time_budget": "NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",
-                        "compile": "NEURON_COMPETITION_R1_COMPILE",
-                        "nki_relu2": "NEURON_COMPETITION_R1_NKI_RELU2"}
-# Three more settings the organisers' prepare.py reads for train.py; the harness resolves them (the kit's
-# FRONTIER_* name or the organisers' name), so train.py writes where `prepare.py eval-public` looks.
-HARNESS_ENVIRONMENT = {"out_dir": ("out_dir", default_out_dir), "eval_public": ("eval_public", default_train_eval_public),
-                       "eval_tokens": ("eval_tokens", default_train_eval_tokens)}
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# -----------------------------------------------------------------------------------------------
+# Model: GPT with untied embedding/head, RMSNorm, rotary embeddings, QK-norm, ReLU^2, softcap
+# -----------------------------------------------------------------------------------------------
+
+EVAL_SEQ_LEN = 1024  # the scorer's evaluation context (the organisers' and this kit's): the rotary tables cover it
 
 
-PRESETS = {
-    # A laptop CPU for 5 minutes: the winner of benchmarks/preset_sweep.py at 300 s on the 2-core
-    # machine (val_bpb 1.265 against 1.585 for the depth-4, width-384 model it replaced; table in the
-    # README). Small (4.5M parameters, 0.7 tokens each in 5 minutes) and short rows, so ~700 steps of 4K
-    # tokens; compiled, because eager elementwise work on the 8192-wide logits dominates a CPU step.
-    "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
-                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20),
-    # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
-    "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0),
-    # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
-    # `--plan --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
-    # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
-    # model's weights, gradients, optimizer state and activations well inside a rank's 24 GiB at LNC=2 (an
-    # estimate: measure peak_memory_mb on the machine). A snapshot every 30 minutes bounds what a crash costs.
-    "phase2": dict(depth=23, total_batch_size=2**19, device_batch_size=2, time_budget=14400.0, save_every=1800.0),
-}
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048
+    vocab_size: int = TOKENIZER_VOCAB_SIZE
+    n_layer: int = 10
+    n_head: int = 5
+    n_embd: int = 640
+    logit_softcap: float = 15.0
+    rope_base: float = 10000.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Flags for every Hyperparameters field (with the official spelling beside ours where it differs),
-    --preset, and the budget planner's options."""
-    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
-    for f in dataclasses.fields(Hyperparameters):
-        official = [OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else []
-        flags = ["--" + f.name.replace("_", "-"), *official]
-        help_text = f"default: {f.default!r} (see Hyperparameters)"
-        if f.name in OFFICIAL_ENVIRONMENT:
-            help_text += f"; environment: {OFFICIAL_ENVIRONMENT[f.name]}"
-        if f.name in HARNESS_ENVIRONMENT:
-            theirs = HARNESS_ENVIRONMENT[f.name][0].upper()
-            help_text += f"; environment: NEURON_COMPETITION_R1_{theirs} or FRONTIER_{theirs}"
-        if f.type in ("bool", bool):
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+def model_config(recipe: Recipe, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> GPTConfig:
+    width = -(-recipe.depth * recipe.aspect_ratio // recipe.head_dim) * recipe.head_dim
+    return GPTConfig(sequence_len=recipe.seq_len, vocab_size=vocab_size, n_layer=recipe.depth,
+                     n_head=width // recipe.head_dim, n_embd=width, logit_softcap=recipe.logit_softcap,
+                     rope_base=recipe.rope_base)
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm without a learned scale."""
+    kernel = on_kernel("rmsnorm", x)
+    return kernel(x) if kernel else F.rms_norm(x, (x.size(-1),))
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """The MLP activation. With --nki-relu2 on the neuron device it runs as the NKI kernel pair."""
+    kernel = on_kernel("relu2", x)
+    return kernel(x) if kernel else relu2_forward_reference(x)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [1, seq_len, 1, head_dim / 2]."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's channels; x is [B, T, H, D]."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_qknorm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, then QK-norm (x is [B, T, H, D])."""
+    kernel = on_kernel("rope_qknorm", x)
+    return kernel(x, cos, sin) if kernel else norm(apply_rotary(x, cos, sin))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_k = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, mask=None):
+        """mask: [B, 1, T, T] bool, True where a query may attend; None: causal."""
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
+        q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=mask is None)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(relu_squared(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask=None):
+        x = x + self.attn(norm(x), cos, sin, mask)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2:
+            raise ValueError(f"n_embd={config.n_embd} must split into n_head={config.n_head} heads of even size")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Per-layer mix of the residual stream and the (normed) embedding x0, as in nanochat.
+        self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+        self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+        # Rotary tables cover the training context and the scorer's evaluation context.
+        cos, sin = rotary_tables(max(config.sequence_len, EVAL_SEQ_LEN), config.n_embd // config.n_head,
+                                 config.rope_base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.compute_dtype: torch.dtype | None = None  # autocast dtype of forward(); set for the device
+        self.chunked_loss = True  # the training loss by chunked_softcap_cross_entropy (--no-chunked-loss: plain)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """nanochat's init: uniform matrices at 1/sqrt(width), zero output projections (each block
+        starts as the identity), unit-normal embedding, tiny lm_head."""
+        bound = 3**0.5 * self.config.n_embd**-0.5
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        for block in self.blocks:
+            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(linear.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        self.resid_lambdas.fill_(1.0)
+        self.x0_lambdas.fill_(0.1)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per matmul weight (embedding lookups are free) plus
+        attention scores and values over the full context (the PaLM convention)."""
+        c = self.config
+        lookups = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+        return 6 * (self.num_params() - lookups) + 12 * c.n_layer * c.n_embd * c.sequence_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (fp32), or the mean cross-entropy when targets are given.
+        positions [B, T] (rotary position of each token; default 0..T-1) and attn_mask [B, 1, T, T] (bool,
+        True where a query may attend; default causal) let one row hold several sequences, e.g. a shared
+        prefix and its continuations (inference.py), each token getting the logits its own sequence
+        alone would. An attention variant that needs more (a sliding window) derives it from them."""
+        cos, sin = self.rotary(idx.shape[1], positions)
+        with autocast_context(idx.device.type, self.compute_dtype):
+            x = x0 = norm(self.wte(idx))
+            for i, block in enumerate(self.blocks):
+                x = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos, sin, attn_mask)
+            x = norm(x)
+            if targets is None or not self.chunked_loss:
+                logits = self.lm_head(x)
+        cap = self.config.logit_softcap
+        kernel = on_kernel("softcap_ce", x)
+        if targets is not None and self.chunked_loss:
+            return chunked_softcap_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                                 cap, self.compute_dtype or x.dtype, kernel)
+        if targets is not None and kernel:
+            return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
+        logits = logits.float()
+        if targets is None:  # where no gradient flows (the scorers), in place: no [B, T, V] copies
+            return cap * torch.tanh(logits / cap) if logits.requires_grad else logits.div_(cap).tanh_().mul_(cap)
+        logits = cap * torch.tanh(logits / cap)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def rotary(self, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at positions 0..T-1 ([1, T, 1, head_dim / 2]), or at `positions` ([B, T, 1, head_dim / 2])."""
+        if positions is not None:
+            return self.cos[0, positions], self.sin[0, positions]
+        if T > self.cos.shape[1]:
+            raise ValueError(f"sequence of {T} tokens exceeds the rotary tables ({self.cos.shape[1]})")
+        return self.cos[:, :T], self.sin[:, :T]
+
+
+def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", chunked_loss: bool = True,
+                init: bool = True) -> GPT:
+    """The GPT on `device`, initialised (init) or left for a state dict, with its forward set up: autocast
+    to the compute dtype (`dtype` as --dtype: auto is bf16 where the device is fast at it) and the training
+    loss chunked or plain. Training, load_for_eval, tools, benchmarks and tests all build it here."""
+    model = GPT(config).to(device)
+    if init:
+        model.init_weights()
+    model.compute_dtype = compute_dtype_for(torch.device(device).type, dtype)
+    model.chunked_loss = chunked_loss
+    return model
+
+
+# -----------------------------------------------------------------------------------------------
+# Optimizer: Muon (Polar Express, NorMuon, cautious weight decay) for matrices, AdamW for the rest
+# -----------------------------------------------------------------------------------------------
+
+# Polar Express (Amsel et al. 2025) coefficients for 5 iterations, as in modded-nanogpt and nanochat.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximately orthogonalize each matrix of g [..., M, N] (U V^T of its SVD). bf16 is enough
+    for the iteration (and fast); fp32 runs keep it in fp32."""
+    x = g.to(dtype)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.mT if tall else x
+
+
+def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, beta1: float, beta2: float, eps: float):
+    """One AdamW step, in place, on a parameter or on this rank's slice of one. The step count and the
+    per-step lr and weight decay are 0-D tensors on the device, so the compiled graph never changes."""
+    step.add_(1)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+    # The step size lr / (1 - beta1^step) divides the denominator, so that addcdiv_ needs no temporary
+    # (lr = 0 makes it infinite: a zero step).
+    denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps).div_(lr / (1 - beta1 ** step))
+    param.mul_(1 - lr * weight_decay)
+    param.addcdiv_(exp_avg, denom, value=-1.0)
+
+
+def muon_update(grads: list[torch.Tensor], weights: list[torch.Tensor], momentum_buffer: torch.Tensor,
+                second_moment: torch.Tensor, lr: torch.Tensor, momentum: torch.Tensor, weight_decay: torch.Tensor,
+                beta2: float, ns_steps: int, ns_dtype: torch.dtype) -> torch.Tensor:
+    """The new values of same-shaped matrices, stacked: Nesterov momentum, Polar Express, NorMuon
+    rescaling, cautious weight decay. The momentum and second-moment buffers are updated in place."""
+    grads, weights = torch.stack(grads), torch.stack(weights)
+    rows, cols = weights.shape[-2:]
+    # Nesterov momentum
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    update = polar_express(grads.lerp_(momentum_buffer, momentum), ns_steps, ns_dtype).float()
+    # NorMuon: normalise each row (or column) by a running second moment, keeping the total norm
+    reduce_dim = -1 if rows >= cols else -2
+    row_sq = update.square().mean(dim=reduce_dim, keepdim=True)
+    second_moment.lerp_(row_sq, 1 - beta2)
+    scale = second_moment.clamp_min(1e-10).rsqrt()
+    norm_before = (row_sq.sum(dim=(-2, -1), keepdim=True) * update.size(reduce_dim)).sqrt()
+    norm_after = (row_sq * scale.square()).sum(dim=(-2, -1), keepdim=True).mul(update.size(reduce_dim)).sqrt()
+    update = update * (scale * norm_before / norm_after.clamp_min(1e-10))
+    # Cautious weight decay: only where the update and the weight agree in sign
+    lr = lr * max(1.0, rows / cols) ** 0.5
+    decay = (update * weights >= 0) * (lr * weight_decay)
+    return weights - (lr * update + decay * weights)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """The update rule, two of them. Groups of kind 'muon' hold same-shaped matrices, updated together:
+    Nesterov momentum, Polar Express, NorMuon rescaling, cautious weight decay. Groups of kind 'adamw'
+    hold everything else. State lives on each parameter's device.
+
+    The per-step hyperparameters (SCHEDULED, set by set_hyperparameters) and AdamW's step count are
+    0-D device tensors, so `compile_backend` compiles each update once: a new value is data, not a new
+    graph. What this process updates of each parameter, and with which gradient, is the transport's
+    business (GradientTransport, under the banner below): on one process, all of it with p.grad; under
+    torchrun, the gradient averaged over ranks and, sharded (ZeRO-1), only this rank's share."""
+
+    SCHEDULED = ("lr", "momentum", "weight_decay")
+
+    def __init__(self, param_groups, transport: "GradientTransport | None" = None, compile_backend: str | None = None):
+        super().__init__(param_groups, defaults={})
+        self.transport = transport or GradientTransport(self.param_groups)
+        device = self.param_groups[0]["params"][0].device
+        # Per-step hyperparameters are views of one device buffer: one host-to-device copy per step.
+        self._hyper_keys = [(i, k) for i, g in enumerate(self.param_groups) for k in self.SCHEDULED if k in g]
+        self._hyper_host = torch.tensor([float(self.param_groups[i][k]) for i, k in self._hyper_keys])
+        self._hyper = self._hyper_host.to(device)
+        for j, (i, k) in enumerate(self._hyper_keys):
+            self.param_groups[i][k] = self._hyper[j]
+        # State for what this process updates, created now so that state_dict() is complete before a step.
+        self._mine = [[p for p in g["params"] if self.transport.local_shape(p) is not None] for g in self.param_groups]
+        for group, mine in zip(self.param_groups, self._mine):
+            if group["kind"] == "muon" and mine:
+                rows, cols = mine[0].shape
+                self.state[mine[0]].update(
+                    momentum=torch.zeros(len(mine), rows, cols, device=device),
+                    second_moment=torch.zeros((len(mine), rows, 1) if rows >= cols else (len(mine), 1, cols),
+                                              device=device))
+            elif group["kind"] == "adamw":
+                for p in mine:
+                    shape = self.transport.local_shape(p)
+                    self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros(shape, device=device),
+                                         exp_avg_sq=torch.zeros(shape, device=device))
+        compiled = (lambda f: torch.compile(f, backend=compile_backend, dynamic=False, fullgraph=True)) \
+            if compile_backend else (lambda f: f)
+        self._adamw_update, self._muon_update = compiled(adamw_update), compiled(muon_update)
+
+    def set_hyperparameters(self, values: list[dict]) -> None:
+        """Set this step's hyperparameters, one dict per param group (e.g. {"lr": 0.01}), with one copy.
+        A key the group does not schedule is an error, never a value dropped."""
+        index = {key: j for j, key in enumerate(self._hyper_keys)}
+        for i, group_values in enumerate(values):
+            for k, v in group_values.items():
+                if (i, k) not in index:
+                    raise KeyError(f"param group {i} ({self.param_groups[i]['kind']}) schedules "
+                                   f"{[key for g, key in self._hyper_keys if g == i]}, not {k!r}")
+                self._hyper_host[index[(i, k)]] = v
+        self._hyper.copy_(self._hyper_host)
+
+    @torch.no_grad()
+    def step(self):
+        self.transport.wait_for_gradients()
+        for group, mine in zip(self.param_groups, self._mine):
+            parts = [self.transport.local(p) for p in mine]  # (values updated in place, gradient) each
+            if group["kind"] == "muon" and mine:
+                state = self.state[mine[0]]
+                new = self._muon_update([g for _, g in parts], [v for v, _ in parts], state["momentum"],
+                                        state["second_moment"], group["lr"], group["momentum"],
+                                        group["weight_decay"], group["beta2"], group["ns_steps"], group["ns_dtype"])
+                torch._foreach_copy_([v for v, _ in parts], list(new.unbind(0)))
+            elif group["kind"] == "adamw":
+                beta1, beta2 = group["betas"]
+                for p, (values, grad) in zip(mine, parts):
+                    if grad is not None:
+                        state = self.state[p]
+                        self._adamw_update(values, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                                           group["lr"], group["weight_decay"], beta1, beta2, group["eps"])
+        self.transport.finish_step()
+
+    def state_dict(self) -> dict:
+        """Plain tensors and plain data (loads with weights_only=True); sharded, this rank's part only."""
+        return {**super().state_dict(), "sharding": self.transport.sharding()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("sharding", {"sharded": False})
+        if saved != self.transport.sharding():
+            raise ValueError(f"optimizer state saved as {saved} cannot be loaded here ({self.transport.sharding()}): "
+                             "resume with the same world size, --shard-optimizer and --grad-bucket-mb, each rank "
+                             "loading its own file")
+        live = {(i, k): self.param_groups[i][k] for i, k in self._hyper_keys}
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
+        # Keep the hyperparameter tensors the compiled updates were traced with; take the saved values.
+        for (i, k), tensor in live.items():
+            tensor.copy_(torch.as_tensor(self.param_groups[i][k]))
+            self.param_groups[i][k] = tensor
+        self._hyper_host.copy_(self._hyper)
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+
+
+def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[dict]:
+    """The per-parameter table: which rule updates each parameter, and how. A new parameter is one row
+    (a forgotten one is an error that names it). ns_dtype: Polar Express's precision (None: fp32)."""
+    width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
+    adamw = dict(kind="adamw", betas=(recipe.adam_beta1, recipe.adam_beta2), eps=1e-10, weight_decay=0.0)
+    muon = dict(kind="muon", lr=recipe.matrix_lr, momentum=recipe.muon_momentum_start, ns_steps=recipe.muon_ns_steps,
+                ns_dtype=ns_dtype or torch.float32, beta2=recipe.muon_beta2, weight_decay=recipe.weight_decay)
+    table = [  # (parameters, rule): AdamW for the head, the embedding and the scalars, Muon for the matrices
+        ([model.lm_head.weight], dict(adamw, lr=recipe.unembedding_lr * width_scale)),
+        ([model.wte.weight], dict(adamw, lr=recipe.embedding_lr * width_scale)),
+        ([model.resid_lambdas], dict(adamw, lr=recipe.scalar_lr * 0.01)),
+        ([model.x0_lambdas], dict(adamw, lr=recipe.scalar_lr, betas=(0.96, 0.95))),
+        (list(model.blocks.parameters()), muon),  # every matrix in the blocks
+    ]
+    groups = []
+    for params, rule in table:
+        if rule["kind"] == "muon":  # Muon updates same-shaped matrices together: a group per shape
+            for shape in sorted({tuple(p.shape) for p in params}):
+                groups.append(dict(rule, params=[p for p in params if tuple(p.shape) == shape]))
         else:
-            parser.add_argument(*flags, dest=f.name, type={"int": int, "float": float, "str": str}[str(f.type)],
-                                default=None, help=help_text)
-    plan = parser.add_argument_group("budget planner", "python train.py --plan --ranks N --budget SECONDS: size "
-                                     "the model and batch for a budget and print the flags; trains nothing")
-    plan.add_argument("--plan", action="store_true", help="print the plan and exit")
-    plan.add_argument("--ranks", type=int, default=1, help="ranks of the run to plan (Trainium2: 4 per chip at "
-                      "NEURON_LOGICAL_NC_CONFIG=2, 8 at 1)")
-    plan.add_argument("--budget", type=float, default=None, help="seconds of charged time (default: --time-budget)")
-    plan.add_argument("--tokens-per-second", type=float, default=None, help="throughput measured for the model "
-                      "the other flags describe (a run's tokens_per_second), all ranks together")
-    plan.add_argument("--measured-ranks", type=int, default=None, help="ranks of that measurement (default: --ranks)")
-    plan.add_argument("--mfu", type=float, default=None, help=f"assumed model FLOPs utilisation, 0-1 (default "
-                      f"{PLAN_ASSUMED_MFU} without a measurement)")
-    plan.add_argument("--probe", action="store_true", help="measure the throughput of the model the other flags "
-                      "describe with a few steps on this machine's device first")
-    return parser
+            groups.append(dict(rule, params=params))
+    listed = {id(p) for g in groups for p in g["params"]}
+    missing = [name for name, p in model.named_parameters() if id(p) not in listed]
+    if missing:
+        raise ValueError(f"parameters {missing} have no row in parameter_groups' table: add one")
+    for g in groups:
+        g["initial_lr"] = g["lr"]
+    return groups
 
 
-def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) -> tuple[dict, dict]:
-    """Hyperparameters set by the organisers' environment variables (and the harness's output and
-    evaluation settings): ({field: value}, {field: "VAR=value"})."""
-    types = {f.name: str(f.type) for f in dataclasses.fields(Hyperparameters)}
-    values, used = {}, {}
-    for name, var in OFFICIAL_ENVIRONMENT.items():
-        raw = environ.get(var, "").strip()
-        if not raw:
-            continue
-        try:
-            if types[name] == "bool":
-                if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
-                    raise ValueError
-                values[name] = raw.lower() in TRUE_WORDS
-            else:
-                values[name] = {"int": int, "float": float}[types[name]](raw)
-        except ValueError:
-            kind = {"bool": f"one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}", "int": "an integer",
-                    "float": "a number"}[types[name]]
-            parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
-        used[name] = f"{var}={raw}"
-    for name, (setting, resolve) in HARNESS_ENVIRONMENT.items():
-        try:
-            raw, var = env_setting(setting)
-            if raw is not None:
-                values[name], used[name] = resolve(), f"{var}={raw}"
-        except HarnessError as e:
-            parser.error(str(e))
-    return values, used
+# -----------------------------------------------------------------------------------------------
+# Schedules: functions of progress = charged seconds / training seconds, in [0, 1]
+# -----------------------------------------------------------------------------------------------
 
 
-def parse_command_line(argv=None) -> tuple[Hyperparameters, argparse.Namespace, list[str]]:
-    """(hyperparameters, planner options, one note per environment variable used)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    values = dict(PRESETS[args.preset]) if args.preset else {}
-    from_env, used = environment_settings(parser)
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hyperparameters)
-             if getattr(args, f.name) is not None}
-    notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
-                                                              else "") for name, setting in used.items()]
-    values.update(from_env)
-    values.update(given)
-    return Hyperparameters(**values), args, notes
+def lr_multiplier(progress: float, recipe: Recipe) -> float:
+    if progress < recipe.warmup_ratio:
+        return progress / recipe.warmup_ratio
+    if progress <= 1.0 - recipe.warmdown_ratio:
+        return 1.0
+    cooldown = max(0.0, (1.0 - progress) / recipe.warmdown_ratio)
+    return cooldown + (1.0 - cooldown) * recipe.final_lr_frac
 
 
-def parse_hyperparameters(argv=None) -> Hyperparameters:
-    """Flags for every Hyperparameters field; --preset NAME sets several at once, explicit flags win."""
-    return parse_command_line(argv)[0]
+def muon_momentum(progress: float, recipe: Recipe) -> float:
+    ramp = min(1.0, progress / recipe.muon_momentum_warmup_ratio) if recipe.muon_momentum_warmup_ratio > 0 else 1.0
+    return recipe.muon_momentum_start + (recipe.muon_momentum_end - recipe.muon_momentum_start) * ramp
 
+
+def apply_schedules(optimizer: MuonAdamW, progress: float, recipe: Recipe) -> float:
+    """This step's learning rates, Muon momentum and weight decay, written to the optimizer's 0-D
+    device tensors (a changed value is data: it never recompiles the update)."""
+    lrm = lr_multiplier(progress, recipe)
+    muon = dict(momentum=muon_momentum(progress, recipe), weight_decay=recipe.weight_decay * (1.0 - progress))
+    optimizer.set_hyperparameters([dict(lr=group["initial_lr"] * lrm, **(muon if group["kind"] == "muon" else {}))
+                                   for group in optimizer.param_groups])
+    return lrm
+
+
+def training_progress(step: int, charged_seconds: float, training_seconds: float, recipe: Recipe) -> float:
+    """Where the run is in its schedules, in [0, 1]. With a step count (--max-steps / --num-steps) it is
+    step / max_steps, the same in every run of the same flags, so an interrupted and resumed run
+    follows the schedule of an uninterrupted one; the time budget still stops the run. Otherwise it is
+    charged time over training time, which adapts to the machine's speed."""
+    if recipe.max_steps > 0:
+        return min(1.0, step / recipe.max_steps)
+    return min(1.0, max(0.0, charged_seconds / training_seconds))
+
+
+# -----------------------------------------------------------------------------------------------
+# Training: one step, and the loop
+# -----------------------------------------------------------------------------------------------
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def train_step(model: nn.Module, optimizer: MuonAdamW, batches, grad_accum_steps: int, world_size: int):
+    """One optimizer step over grad_accum_steps micro-batches from `batches`. Across ranks the
+    optimizer averages the gradients: the last micro-batch's backward sends them bucket by bucket as
+    they become ready, and optimizer.step() waits for them.
+    Returns (mean loss on this rank, as a tensor; the loader state of the last batch)."""
+    if world_size != optimizer.transport.world_size:
+        raise ValueError(f"train_step for {world_size} ranks got an optimizer built for "
+                         f"{optimizer.transport.world_size}")
+    loss_sum = None
+    for micro_step in range(grad_accum_steps):
+        x, y, state = next(batches)
+        optimizer.transport.send_in_backward = micro_step == grad_accum_steps - 1  # the others only accumulate
+        loss = model(x, y)
+        (loss / grad_accum_steps).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    return loss_sum / grad_accum_steps, state
+
+
+def train(recipe: Recipe, options: RunOptions, profile: DeviceProfile, device: torch.device, rank: int,
+          world_size: int) -> int:
+    """Train for the budget, save out_dir/final.pt, score public_val, and (rank 0) print the summary."""
+    geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, world_size)
+    tokenizer = ensure_tokenizer()
+    config = model_config(recipe, tokenizer.get_vocab_size())
+    model = build_model(config, device, recipe.dtype, options.chunked_loss)
+    if world_size > 1:
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=0)
+    optimizer = build_optimizer(model, recipe, options, model.compute_dtype, profile.compile_backend)
+    run = load_snapshot(Path(options.resume), model, optimizer, recipe, geometry, rank) if options.resume \
+        else RunState()
+    clock = BudgetClock(carried_seconds=run.charged_seconds)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
+    batches = make_dataloader(tokenizer, geometry.device_batch_size, recipe.seq_len, "train", device,
+                              seed=recipe.seed, start_batch=run.step * geometry.grad_accum_steps)
+    reserve = checkpoint_save_reserve(model)
+    training_seconds = recipe.time_budget - reserve
+    if training_seconds <= 0:
+        raise SystemExit(f"error: --time-budget {recipe.time_budget}s leaves no time to train after the "
+                         f"{reserve:.0f}s kept for saving the checkpoint")
+    flops_per_token = model.flops_per_token()
+    print0(f"device: {device} x {world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
+           f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
+    print0(f"model: {asdict(config)}")
+    print0(f"parameters: {model.num_params():,} | FLOPs per token: {flops_per_token:.4e}")
+    if geometry.note:
+        print0(f"batch geometry: {geometry.note}")
+    print0(f"batch: {recipe.total_batch_size:,} tokens = {geometry.device_batch_size} x {recipe.seq_len} x "
+           f"{world_size} ranks x {geometry.grad_accum_steps} accumulation | budget {recipe.time_budget:.0f}s, of "
+           f"which {reserve:.0f}s kept for the save | schedules on {'steps' if recipe.max_steps > 0 else 'charged time'}")
+    if options.resume:
+        print0(f"resumed: {options.resume} at step {run.step}, {run.charged_seconds:.1f}s charged so far")
+
+    state_dir = Path(options.out_dir) / STATE_DIR
+    step_times, last_snapshot, snapshot_seconds = [], time.time(), reserve
+    while True:
+        progress = training_progress(run.step, clock.charged_seconds(), training_seconds, recipe)
+        lrm = apply_schedules(optimizer, progress, recipe)
+        t0 = time.time()
+        loss, loader_state = train_step(step_model, optimizer, batches, geometry.grad_accum_steps, world_size)
+        if run.step == options.inject_nan_step:
+            loss = loss * float("nan")
+        synchronize(device)
+        record_step_boundary(clock.step_done())  # the harness's budget ledger
+        charged, dt = clock.charged_seconds(), time.time() - t0
+        step_times.append(dt)
+        run.tokens_seen += recipe.total_batch_size
+        snapshot_due = options.save_every > 0 and any_rank(time.time() - last_snapshot >= options.save_every, device,
+                                                           world_size)
+        next_step = max(step_times[-5:]) + (snapshot_seconds if snapshot_due else 0.0)
+        stop = charged + next_step > training_seconds or 0 < recipe.max_steps <= run.step + 1
+        loss_value, stop = agree_across_ranks(loss, stop, world_size)
+        if not math.isfinite(loss_value) or loss_value > 2 * math.log(config.vocab_size):
+            raise TrainingDiverged(f"training diverged at step {run.step}: loss {loss_value} (uniform guessing is "
+                                   f"{math.log(config.vocab_size):.2f}); no checkpoint written. Lower the learning "
+                                   "rates or check the last change.")
+        run.smooth_loss = 0.9 * run.smooth_loss + 0.1 * loss_value
+        if rank == 0 and (len(step_times) <= 5 or run.step % options.log_every == 0 or stop):
+            tok_per_sec = recipe.total_batch_size / dt
+            mfu = 100 * flops_per_token * tok_per_sec / (profile.peak_flops * world_size)
+            print(f"step {run.step:05d} ({100 * progress:4.1f}%) | loss: "
+                  f"{run.smooth_loss / (1 - 0.9 ** (run.step + 1)):.6f} | lrm: {lrm:.2f} | dt: {dt * 1000:.0f}ms | "
+                  f"tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | epoch: {loader_state['epoch']} | "
+                  f"remaining: {training_seconds - charged:.0f}s", flush=True)
+        run.step += 1
+        if stop:
+            break
+        if snapshot_due:
+            t0 = time.time()
+            save_snapshot(state_dir, model, optimizer, run, recipe, geometry, rank, clock)
+            last_snapshot = time.time()
+            snapshot_seconds = last_snapshot - t0
+
+    trained = clock.status(recipe.time_budget)
+    checkpoint = Path(options.out_dir) / "final.pt"
+    if rank == 0:
+        save_checkpoint(checkpoint, model, {"step": run.step, "total_train_tokens": run.tokens_seen,
+                                            "world_size": world_size, "recipe": asdict(recipe),
+                                            "run_options": asdict(options), "final_loss": run.train_loss})
+    if world_size > 1:
+        dist.barrier()  # the checkpoint is on disk before any rank reports
+    final = clock.status(recipe.time_budget)
+    result = None
+    if options.eval_public and options.eval_tokens > 0:
+        # Every rank calls evaluate_bpb with the same arguments: under torchrun it shares the rows among them.
+        eval_batch = max(1, geometry.device_batch_size * recipe.seq_len // EVAL_SEQ_LEN)
+        result = evaluate_bpb(model, tokenizer, eval_batch, EVAL_SEQ_LEN, device, split="public_val",
+                              max_tokens=options.eval_tokens)
+    if rank == 0:
+        print_summary(result, trained, final, clock, run, step_times, recipe, model, optimizer, profile, device,
+                      world_size, checkpoint)
+    return 0
+
+
+# -----------------------------------------------------------------------------------------------
+# The scorer's entry point
+# -----------------------------------------------------------------------------------------------
+
+
+def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
+    """The scorer's entry point: the trained model from checkpoint_path on `device`, in eval mode,
+    frozen, with a pure causal forward: logits[:, t] depend only on tokens 0..t of their own row."""
+    device = torch.device(device)
+    config, state, _ = read_checkpoint(checkpoint_path)
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"{checkpoint_path} was written by a model with config fields {unknown} that this "
+                         "train.py's GPTConfig does not have")
+    model = build_model(GPTConfig(**config), device, init=False)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{checkpoint_path} does not fit this train.py's GPT with config {config}: "
+                         f"{str(e).splitlines()[0]} ...") from None
+    return model.eval().requires_grad_(False)
+
+
+# ===============================================================================================
+# MACHINERY: what a run needs around the recipe, rarely edited. Devices, kernel routing (and the
+# inline NKI kernel), the chunked loss's insides, gradient communication and ZeRO-1, batch
+# geometry, the budget clock, checkpoint and resume, the command line with the organisers' aliases,
+# main().
+# ===============================================================================================
 
 # -----------------------------------------------------------------------------------------------
 # Devices: everything device-specific lives here
@@ -243,12 +697,8 @@ class DeviceProfile:
 
 
 # The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
-# process. On a shared 2-vCPU machine the best of ten two-thread 2048^2 bf16 matmuls (the peak this
-# replaced) measured 58-204 GFLOP/s across eight busy processes and 399-418 once the machine was quieter:
-# a multi-threaded call waits for its slowest thread, and a call of tens of milliseconds rarely runs
-# without another process taking one of the cores. One thread on calls of ~1 ms, best of many, measured
-# 446-451 (x2 threads) in the same processes, busy or quiet: interference only slows a call, so the best
-# call is the core's own speed. The larger sizes count on a quiet machine, where they may run faster.
+# process. Interference from other processes only slows a call, so the best of many ~1 ms calls is the
+# core's own speed, busy machine or quiet (README, "The CPU peak": two-thread calls swung by 3x).
 CPU_PEAK_SIZES = (256, 512, 1024)
 CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
 CPU_PEAK_MIN_CALLS = 3
@@ -279,6 +729,19 @@ def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: floa
     finally:
         torch.set_num_threads(threads)
     return best * cpu_threads()
+
+
+def detect_device_type() -> str:
+    """The fastest device present: neuron, then cuda, then cpu."""
+    try:
+        if torch.neuron.is_available():
+            return "neuron"
+    except Exception:  # no torch.neuron (not the native Neuron backend), or no runtime behind it
+        pass
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is not None and accelerator.type == "neuron":
+        return "neuron"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | None:
@@ -350,7 +813,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def autocast_context(device_type: str, dtype: torch.dtype | None):
-    return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    """Matmuls in `dtype`; None: as they are (fp32), with no autocast at all (the meta device has none)."""
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -367,16 +831,15 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # -----------------------------------------------------------------------------------------------
-# NKI kernel: relu(x)^2, forward and backward (the template for kernels/)
+# Kernels: the inline NKI kernel relu(x)^2 (the template for kernels/), and the --nki-* flags' routing
 # -----------------------------------------------------------------------------------------------
-# Kernels take a 2-D [N, D] tensor in HBM and work on tiles of 128 rows (SBUF partitions):
-# load a tile, compute with ScalarE/VectorE instructions (fp32 inside the engines), store it.
-# A launch runs one instance per physical core of the rank's logical core (NEURON_LOGICAL_NC_CONFIG,
-# 1 or 2); instance nl.program_id(0) of nl.num_programs() takes its own share of the row tiles.
-# Limits: N % (128 * cores) == 0 and D <= NKI_MAX_FREE (a tile's SBUF footprint); bf16 or fp32
-# input. Other shapes run the PyTorch reference instead, with a one-time notice. The launcher and
-# that choice live in kernels/common.py, shared with the other kernels; train.py imports it only
-# when a kernel is switched on, so importing train.py never needs kernels/.
+# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI
+# kernels (defined only where nki imports), an autograd.Function that runs either, and a public op that
+# takes the kernel where the tensor fits it and the reference elsewhere, saying so once. The kernels see
+# an [N, D] tensor in HBM as tiles of 128 rows (SBUF partitions): load a tile, compute with ScalarE /
+# VectorE instructions (fp32 inside the engines), store it. A launch runs one instance per physical core
+# of the rank's logical core (NEURON_LOGICAL_NC_CONFIG: 1 or 2), and instance nl.program_id(0) takes its
+# share of the tiles. This one needs nothing from kernels/, so --nki-relu2 runs under the organisers' kit.
 
 try:
     import nki
@@ -388,7 +851,16 @@ except ImportError:
 
 NKI_PARTITIONS = 128  # rows per tile: the SBUF partition count
 NKI_MAX_FREE = 8192  # columns per tile: 8 bytes per element in flight, well under 224 KiB per partition
-KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors; filled from the --nki-* flags
+NKI_NOTICES: set = set()  # the reasons a tensor ran the reference instead, each said once
+
+
+def relu2_forward_reference(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def relu2_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return 2 * F.relu(x) * grad
+
 
 if HAS_NKI:
     @nki.jit
@@ -429,95 +901,100 @@ if HAS_NKI:
         return dx
 
 
-def relu2_forward_reference(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
-
-
-def relu2_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return 2 * F.relu(x) * grad
-
-
-def nki_fits(x: torch.Tensor) -> bool:
-    """Whether the row-tiled kernels take this tensor's shape and dtype (as rows of its last dimension)."""
-    return x.numel() % (NKI_PARTITIONS * x.shape[-1]) == 0 and x.shape[-1] <= NKI_MAX_FREE \
-        and x.dtype in (torch.bfloat16, torch.float32)
-
-
-def run_on_rows(kernel, *tensors: torch.Tensor) -> torch.Tensor:
-    """Launch a row-tiled kernel on [N, D] views of same-shaped tensors; reshape the result back."""
-    from kernels.common import launch
+def launch_on_rows(kernel, *tensors: torch.Tensor) -> torch.Tensor:
+    """Run a row-tiled kernel on [N, D] views of same-shaped tensors, one instance per physical core of
+    the logical core, through torch-neuronx's wrap_nki where it imports; reshape the result back."""
     shape = tensors[0].shape
     rows = [t.reshape(-1, shape[-1]).contiguous() for t in tensors]
-    return launch(kernel, *rows).reshape(shape)
+    return nki_launcher()(kernel)[int(os.environ["NEURON_LOGICAL_NC_CONFIG"])](*rows).reshape(shape)
+
+
+@functools.cache
+def nki_launcher():
+    for module in ("torch_neuronx", "torch_neuronx.nki_hop"):  # where torch-neuronx releases keep wrap_nki
+        try:
+            return importlib.import_module(module).wrap_nki
+        except (ImportError, AttributeError):
+            pass
+    return lambda kernel: kernel  # nki's own launch (as on its simulator)
 
 
 class ReLUSquared(torch.autograd.Function):
-    """relu(x)^2 with forward and backward as NKI kernels (use_kernel=True, neuron tensors) or as
-    the PyTorch reference (use_kernel=False, any device)."""
+    """relu(x)^2, forward and backward as the NKI kernels (use_kernel=True) or the reference (False)."""
 
     @staticmethod
     def forward(ctx, x, use_kernel: bool):
         ctx.save_for_backward(x)
         ctx.use_kernel = use_kernel
-        return run_on_rows(relu2_forward_kernel, x) if use_kernel else relu2_forward_reference(x)
+        return launch_on_rows(relu2_forward_kernel, x) if use_kernel else relu2_forward_reference(x)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         if ctx.use_kernel:
-            return run_on_rows(relu2_backward_kernel, x, grad), None
+            return launch_on_rows(relu2_backward_kernel, x, grad), None
         return relu2_backward_reference(x, grad), None
 
 
 def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 as the kernel pair for the tensors it takes; the PyTorch reference otherwise."""
-    from kernels.common import pick_kernel
-    rows = x.numel() // x.shape[-1]
-    if pick_kernel("relu2", x, nki_fits(x), f"shape {tuple(x.shape)} {x.dtype} does not fit (rows % "
-                   f"{NKI_PARTITIONS}, width <= {NKI_MAX_FREE}, bf16/fp32)", rows):
+    """relu(x)^2 as the kernel pair where x fits it; elsewhere the reference, saying why once."""
+    cores, rows = int(os.environ["NEURON_LOGICAL_NC_CONFIG"]), x.numel() // x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] > NKI_MAX_FREE:
+        why = f"shape {tuple(x.shape)} {x.dtype} does not fit (width <= {NKI_MAX_FREE}, bf16/fp32)"
+    elif rows % (NKI_PARTITIONS * cores):
+        why = f"{rows} rows do not split into {NKI_PARTITIONS}-row tiles evenly over {cores} physical cores"
+    else:
         return ReLUSquared.apply(x, True)
+    if why not in NKI_NOTICES:
+        NKI_NOTICES.add(why)
+        print0(f"notice: relu2: {why}; using the PyTorch reference")
     return relu2_forward_reference(x)
 
 
-def enable_kernels(hp: Hyperparameters) -> None:
+KERNELS: dict = {}  # op name -> its NKI implementation, used for neuron tensors; filled from the --nki-* flags
+
+
+def enable_kernels(options: RunOptions) -> None:
     """Route the ops named by the --nki-* flags to their kernels (for tensors on the neuron device)."""
-    if hp.nki_relu2:
+    if options.nki_relu2:
         KERNELS["relu2"] = relu_squared_nki
-    if hp.nki_rmsnorm:
+    if options.nki_rmsnorm:
         import kernels.rmsnorm
         KERNELS["rmsnorm"] = kernels.rmsnorm.rms_norm
-    if hp.nki_rope_qknorm:
+    if options.nki_rope_qknorm:
         import kernels.rope_qknorm
         KERNELS["rope_qknorm"] = kernels.rope_qknorm.rope_qknorm
-    if hp.nki_softcap_ce:
+    if options.nki_softcap_ce:
         import kernels.softcap_ce
         KERNELS["softcap_ce"] = kernels.softcap_ce.softcap_cross_entropy
 
 
-def setup_kernels(hp: Hyperparameters, device_type: str) -> None:
+def setup_kernels(options: RunOptions, device_type: str) -> None:
     """Check that the --nki-* flags can run here, then enable them; stop with the reason otherwise."""
-    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(hp) if f.name.startswith("nki_")
-             and getattr(hp, f.name)]
+    flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(options) if f.name.startswith("nki_")
+             and getattr(options, f.name)]
     if not flags:
         return
     if not (device_type == "neuron" and HAS_NKI):
         raise SystemExit(f"error: {' '.join(flags)} run NKI kernels, which need the neuron device and the nki "
                          f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
                          "Drop the flag here, or run on a Trainium machine.")
-    if hp.compile:
+    if options.compile:
         raise SystemExit(f"error: --compile with {' '.join(flags)}: the kernels are called from "
                          "torch.autograd.Functions in eager mode, and the kit does not register them as "
                          "torch.compile custom ops (torch_neuronx.nki_op with register_autograd). Drop --compile, "
                          "or the --nki-* flags.")
-    from kernels.common import installed_nki_version, logical_core_count, nki_version_problem
-    problem = nki_version_problem(installed_nki_version())
-    if problem:
-        raise SystemExit(f"error: {' '.join(flags)}: {problem}")
-    try:
-        logical_core_count()
-    except ValueError as e:
-        raise SystemExit(f"error: {' '.join(flags)}: {e}") from None
-    enable_kernels(hp)
+    cores = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if cores not in ("1", "2"):  # a kernel's core count must equal the compiler's and the runtime's
+        raise SystemExit(f"error: {' '.join(flags)}: NEURON_LOGICAL_NC_CONFIG is {cores!r}; the NKI kernels launch "
+                         "one instance per physical core of the logical core and need it set to 1 or 2, e.g. "
+                         "NEURON_LOGICAL_NC_CONFIG=2 torchrun --nproc_per_node=4 train.py ...")
+    if flags != ["--nki-relu2"]:  # the kernels/ modules check the nki release they were written for
+        from kernels.common import installed_nki_version, nki_version_problem
+        problem = nki_version_problem(installed_nki_version())
+        if problem:
+            raise SystemExit(f"error: {' '.join(flags)}: {problem}")
+    enable_kernels(options)
 
 
 def on_kernel(name: str, x: torch.Tensor):
@@ -525,170 +1002,9 @@ def on_kernel(name: str, x: torch.Tensor):
     return KERNELS.get(name) if x.device.type == "neuron" else None
 
 
-def relu_squared(x: torch.Tensor) -> torch.Tensor:
-    """The MLP activation. With --nki-relu2 on the neuron device it runs as the NKI kernel pair."""
-    kernel = on_kernel("relu2", x)
-    return kernel(x) if kernel else relu2_forward_reference(x)
-
-
 # -----------------------------------------------------------------------------------------------
-# Model: GPT with untied embedding/head, RMSNorm, rotary embeddings, QK-norm, ReLU^2, softcap
+# The chunked training loss: softcap + cross-entropy without the logits of the whole batch
 # -----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class GPTConfig:
-    sequence_len: int = 2048
-    vocab_size: int = TOKENIZER_VOCAB_SIZE
-    n_layer: int = 10
-    n_head: int = 5
-    n_embd: int = 640
-    logit_softcap: float = 15.0
-    rope_base: float = 10000.0
-
-
-def model_config(hp: Hyperparameters, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> GPTConfig:
-    width = -(-hp.depth * hp.aspect_ratio // hp.head_dim) * hp.head_dim
-    return GPTConfig(sequence_len=hp.seq_len, vocab_size=vocab_size, n_layer=hp.depth, n_head=width // hp.head_dim,
-                     n_embd=width, logit_softcap=hp.logit_softcap, rope_base=hp.rope_base)
-
-
-def norm(x: torch.Tensor) -> torch.Tensor:
-    """RMSNorm without a learned scale."""
-    kernel = on_kernel("rmsnorm", x)
-    return kernel(x) if kernel else F.rms_norm(x, (x.size(-1),))
-
-
-def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [1, seq_len, 1, head_dim / 2]."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of each head's channels; x is [B, T, H, D]."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(x.dtype)
-
-
-def rope_qknorm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, then QK-norm (x is [B, T, H, D])."""
-    kernel = on_kernel("rope_qknorm", x)
-    return kernel(x, cos, sin) if kernel else norm(apply_rotary(x, cos, sin))
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.n_embd // config.n_head
-        self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_k = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-
-    def forward(self, x, cos, sin):
-        B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
-        q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-
-    def forward(self, x):
-        return self.c_proj(relu_squared(self.c_fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.attn = CausalSelfAttention(config)
-        self.mlp = MLP(config)
-
-    def forward(self, x, cos, sin):
-        x = x + self.attn(norm(x), cos, sin)
-        return x + self.mlp(norm(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        if config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2:
-            raise ValueError(f"n_embd={config.n_embd} must split into n_head={config.n_head} heads of even size")
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Per-layer mix of the residual stream and the (normed) embedding x0, as in nanochat.
-        self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
-        self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
-        # Rotary tables cover the training context and the scorer's evaluation context.
-        cos, sin = rotary_tables(max(config.sequence_len, EVAL_SEQ_LEN), config.n_embd // config.n_head,
-                                 config.rope_base)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-        self.compute_dtype: torch.dtype | None = None  # autocast dtype of forward(); set for the device
-        self.chunked_loss = True  # the training loss by chunked_softcap_cross_entropy (--no-chunked-loss: plain)
-
-    @torch.no_grad()
-    def init_weights(self):
-        """nanochat's init: uniform matrices at 1/sqrt(width), zero output projections (each block
-        starts as the identity), unit-normal embedding, tiny lm_head."""
-        bound = 3**0.5 * self.config.n_embd**-0.5
-        nn.init.normal_(self.wte.weight, std=1.0)
-        nn.init.normal_(self.lm_head.weight, std=0.001)
-        for block in self.blocks:
-            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                nn.init.uniform_(linear.weight, -bound, bound)
-            nn.init.zeros_(block.attn.c_proj.weight)
-            nn.init.zeros_(block.mlp.c_proj.weight)
-        self.resid_lambdas.fill_(1.0)
-        self.x0_lambdas.fill_(0.1)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per matmul weight (the embedding lookup is free) plus
-        attention scores and values over the full context (the PaLM convention)."""
-        c = self.config
-        return 6 * (self.num_params() - self.wte.weight.numel()) + 12 * c.n_layer * c.n_embd * c.sequence_len
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (fp32), or the mean cross-entropy when targets are given."""
-        T = idx.shape[1]
-        if T > self.cos.shape[1]:
-            raise ValueError(f"sequence of {T} tokens exceeds the rotary tables ({self.cos.shape[1]})")
-        cos, sin = self.cos[:, :T], self.sin[:, :T]
-        with autocast_context(idx.device.type, self.compute_dtype):
-            x = x0 = norm(self.wte(idx))
-            for i, block in enumerate(self.blocks):
-                x = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos, sin)
-            x = norm(x)
-            if targets is None or not self.chunked_loss:
-                logits = self.lm_head(x)
-        cap = self.config.logit_softcap
-        kernel = on_kernel("softcap_ce", x)
-        if targets is not None and self.chunked_loss:
-            return chunked_softcap_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                                 cap, self.compute_dtype or x.dtype, kernel)
-        if targets is not None and kernel:
-            return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
-        logits = cap * torch.tanh(logits.float() / cap)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-
 # The training loss never holds the logits of the whole batch: LOSS_CHUNKS slices of rows in turn go
 # through lm_head, the softcap and the cross-entropy, and each slice's gradient (with respect to the head's
 # input and weight) is taken on the spot, so nothing of a slice outlives it. The plain path keeps fp32
@@ -775,69 +1091,8 @@ def chunked_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets
 
 
 # -----------------------------------------------------------------------------------------------
-# Optimizer: Muon (Polar Express, NorMuon, cautious weight decay) for matrices, AdamW for the rest
+# Gradient communication and ZeRO-1: how MuonAdamW's gradients reach it across ranks
 # -----------------------------------------------------------------------------------------------
-
-# Polar Express (Amsel et al. 2025) coefficients for 5 iterations, as in modded-nanogpt and nanochat.
-POLAR_EXPRESS_COEFFS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-
-
-def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Approximately orthogonalize each matrix of g [..., M, N] (U V^T of its SVD). bf16 is enough
-    for the iteration (and fast); fp32 runs keep it in fp32."""
-    x = g.to(dtype)
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x.mT if tall else x
-
-
-def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, beta1: float, beta2: float, eps: float):
-    """One AdamW step, in place, on a parameter or on this rank's slice of one. The step count and the
-    per-step lr and weight decay are 0-D tensors on the device, so the compiled graph never changes."""
-    step.add_(1)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
-    # The step size lr / (1 - beta1^step) divides the denominator, so that addcdiv_ needs no temporary
-    # (lr = 0 makes it infinite: a zero step).
-    denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps).div_(lr / (1 - beta1 ** step))
-    param.mul_(1 - lr * weight_decay)
-    param.addcdiv_(exp_avg, denom, value=-1.0)
-
-
-def muon_update(grads: list[torch.Tensor], weights: list[torch.Tensor], momentum_buffer: torch.Tensor,
-                second_moment: torch.Tensor, lr: torch.Tensor, momentum: torch.Tensor, weight_decay: torch.Tensor,
-                beta2: float, ns_steps: int, ns_dtype: torch.dtype) -> torch.Tensor:
-    """The new values of same-shaped matrices, stacked: Nesterov momentum, Polar Express, NorMuon
-    rescaling, cautious weight decay. The momentum and second-moment buffers are updated in place."""
-    grads, weights = torch.stack(grads), torch.stack(weights)
-    rows, cols = weights.shape[-2:]
-    # Nesterov momentum
-    momentum_buffer.lerp_(grads, 1 - momentum)
-    update = polar_express(grads.lerp_(momentum_buffer, momentum), ns_steps, ns_dtype).float()
-    # NorMuon: normalise each row (or column) by a running second moment, keeping the total norm
-    reduce_dim = -1 if rows >= cols else -2
-    row_sq = update.square().mean(dim=reduce_dim, keepdim=True)
-    second_moment.lerp_(row_sq, 1 - beta2)
-    scale = second_moment.clamp_min(1e-10).rsqrt()
-    norm_before = (row_sq.sum(dim=(-2, -1), keepdim=True) * update.size(reduce_dim)).sqrt()
-    norm_after = (row_sq * scale.square()).sum(dim=(-2, -1), keepdim=True).mul(update.size(reduce_dim)).sqrt()
-    update = update * (scale * norm_before / norm_after.clamp_min(1e-10))
-    # Cautious weight decay: only where the update and the weight agree in sign
-    lr = lr * max(1.0, rows / cols) ** 0.5
-    decay = (update * weights >= 0) * (lr * weight_decay)
-    return weights - (lr * update + decay * weights)
-
 
 # Gradients travel in buckets, each sent as soon as the backward has produced all of its gradients.
 # A bucket is `parts` equal chunks (parts = world size when the optimizer is sharded, else 1): chunk r
@@ -865,7 +1120,7 @@ class Bucket:
     slots: dict  # parameter -> Slot
     flat: torch.Tensor | None = None  # parts x chunk: the gradients sent, then (sharded) the weights gathered
     own: torch.Tensor | None = None  # sharded: this rank's chunk, its summed gradients, then its updated weights
-    work: object = None  # the last collective launched (kept after it finishes, see MuonAdamW._wait)
+    work: object = None  # the last collective launched (kept after it finishes, see GradientTransport._wait)
 
     @property
     def padding(self) -> int:
@@ -922,92 +1177,71 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class MuonAdamW(torch.optim.Optimizer):
-    """One optimizer, two rules. Groups of kind 'muon' hold same-shaped matrices, updated together:
-    Nesterov momentum, Polar Express, NorMuon rescaling, cautious weight decay. Groups of kind
-    'adamw' hold everything else. State lives on each parameter's device.
-
-    Per-step hyperparameters (SCHEDULED, set by set_hyperparameters) and AdamW's step count are 0-D
-    device tensors, so `compile_backend` can compile the updates once: a new value is data, not a
-    new graph. Across ranks it averages the gradients itself: gradient hooks send each bucket as soon
-    as the backward fills it (only while `sync_in_backward`), step() waits for them. Sharded (ZeRO-1),
-    each rank keeps state for, and updates, only what it owns (Muon matrices whole, the rest as
-    slices), then the updated weights are all-gathered."""
-
-    SCHEDULED = ("lr", "momentum", "weight_decay")
+class GradientTransport:
+    """Where MuonAdamW's gradients come from, and what of each parameter this process updates. On one
+    process: all of it, with p.grad. Under torchrun it averages the gradients itself: a hook on each
+    parameter copies its gradient into its bucket as the backward produces it, and a full bucket is
+    sent at once (only while `send_in_backward`); wait_for_gradients() sends the rest and waits.
+    Sharded (ZeRO-1), each rank updates only what it owns (Muon matrices whole, every other parameter
+    as a slice): buckets are reduce-scattered to their owners, and finish_step() all-gathers the
+    updated values into every rank's parameters."""
 
     def __init__(self, param_groups, rank: int = 0, world_size: int = 1, shard: bool = False,
-                 compile_backend: str | None = None, ready_order: list[torch.Tensor] | None = None,
-                 bucket_bytes: int = 25 * 2**20):
-        super().__init__(param_groups, defaults={})
+                 ready_order: list[torch.Tensor] | None = None, bucket_bytes: int = 25 * 2**20):
         self.rank, self.world_size, self.shard = rank, world_size, shard and world_size > 1
         self.comm_seconds = 0.0  # host seconds spent waiting on communication, cumulative
-        self.sync_in_backward = True  # send gradients from the backward (train_step: only its last micro-batch)
-        params = [p for g in self.param_groups for p in g["params"]]
-        device = params[0].device
-        # Per-step hyperparameters are views of one device buffer: one host-to-device copy per step.
-        self._hyper_keys = [(i, k) for i, g in enumerate(self.param_groups) for k in self.SCHEDULED if k in g]
-        self._hyper_host = torch.tensor([float(self.param_groups[i][k]) for i, k in self._hyper_keys])
-        self._hyper = self._hyper_host.to(device)
-        for j, (i, k) in enumerate(self._hyper_keys):
-            self.param_groups[i][k] = self._hyper[j]
-
+        self.send_in_backward = True  # send gradients from the backward (train_step: only its last micro-batch)
+        params = [p for g in param_groups for p in g["params"]]
+        self._matrices = [g["params"] for g in param_groups if g["kind"] == "muon"]  # whole on their owner
         order = ready_order or params[::-1]
         if sorted(map(id, order)) != sorted(map(id, params)):
             raise ValueError("ready_order must list every parameter of the optimizer exactly once")
-        whole = {p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
+        whole = {p for ps in self._matrices for p in ps}
         parts = world_size if self.shard else 1
         self.buckets = plan_buckets(order, whole, parts, bucket_bytes // 4) if world_size > 1 else []
         self._slot = {p: (b, b.slots[p]) for b in self.buckets for p in b.params}
         for b in self.buckets:
-            b.flat = torch.zeros(b.parts * b.chunk, device=device)
+            b.flat = torch.zeros(b.parts * b.chunk, device=params[0].device)
             if self.shard:
-                b.own = torch.zeros(b.chunk, device=device)
-        self._packed, self._launched, self._grads_ready = set(), 0, False
+                b.own = torch.zeros(b.chunk, device=params[0].device)
+        self._packed, self._launched, self._grads_ready, self._updated = set(), 0, False, {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in order] \
             if world_size > 1 else []
 
-        # State, created now so that state_dict() is complete before the first step.
-        self._owned = []  # per group: the parameters this rank updates
-        for group in self.param_groups:
-            ps = group["params"]
-            if group["kind"] == "muon":
-                owned = [p for p in ps if not self.shard or self._slot[p][1].owner == rank]
-                if owned:
-                    rows, cols = ps[0].shape
-                    self.state[owned[0]].update(
-                        momentum=torch.zeros(len(owned), rows, cols, device=device),
-                        second_moment=torch.zeros((len(owned), rows, 1) if rows >= cols else (len(owned), 1, cols),
-                                                  device=device))
-            else:
-                owned = ps
-                for p in ps:
-                    shape = (self._slot[p][1].size,) if self.shard else p.shape
-                    self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros(shape, device=device),
-                                         exp_avg_sq=torch.zeros(shape, device=device))
-            self._owned.append(owned)
+    # -- what this rank updates ----------------------------------------------------------------------
 
-        compiled = (lambda f: torch.compile(f, backend=compile_backend, dynamic=False, fullgraph=True)) \
-            if compile_backend else (lambda f: f)
-        self._adamw_update, self._muon_update = compiled(adamw_update), compiled(muon_update)
+    def local_shape(self, p: torch.Tensor):
+        """The shape of the part of p this rank updates (None: none of it)."""
+        if not self.shard:
+            return p.shape
+        slot = self._slot[p][1]
+        return (slot.size,) if slot.owner is None else p.shape if slot.owner == self.rank else None
 
-    # -- per-step hyperparameters ------------------------------------------------------------------
+    def local(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the values the update changes in place, their averaged gradient) for this rank's part of p.
+        Sharded, the gradient is p's place in this rank's chunk, and a slice's values are a copy that
+        finish_step() shares."""
+        if not self.shard:
+            return p, p.grad
+        values = p if self._slot[p][1].owner is not None else self._own_slice(p)
+        self._updated[p] = values
+        return values, self._own_part(p)
 
-    def set_hyperparameters(self, values: list[dict]) -> None:
-        """Set per-step hyperparameters, one dict per param group (e.g. {"lr": 0.01}), with one copy."""
-        for j, (i, k) in enumerate(self._hyper_keys):
-            if k in values[i]:
-                self._hyper_host[j] = values[i][k]
-        self._hyper.copy_(self._hyper_host)
+    def sharding(self) -> dict:
+        """What a sharded state depends on: this rank, the world size, and which matrices it owns."""
+        if not self.shard:
+            return {"sharded": False}
+        owned = [[i for i, p in enumerate(ps) if self._slot[p][1].owner == self.rank] for ps in self._matrices]
+        return {"sharded": True, "rank": self.rank, "world_size": self.world_size, "owned_matrices": owned}
 
-    # -- gradient communication --------------------------------------------------------------------
+    # -- gradients, from the backward ----------------------------------------------------------------
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if p in self._packed:  # a further backward before step(): what was sent is out of date
             self._wait()
             self._packed.clear()
             self._launched = 0
-        if self.sync_in_backward:
+        if self.send_in_backward:
             self._pack(p)
             self._launch_full_buckets()
 
@@ -1025,7 +1259,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _launch_full_buckets(self) -> None:
         # In bucket order, so that every rank issues the same collectives in the same order.
-        while self._launched < len(self.buckets) and all(p in self._packed for p in self.buckets[self._launched].params):
+        while self._launched < len(self.buckets) and \
+                all(p in self._packed for p in self.buckets[self._launched].params):
             bucket = self.buckets[self._launched]
             if self.shard:
                 bucket.work = _reduce_scatter(bucket.own, bucket.flat, async_op=True)
@@ -1067,22 +1302,31 @@ class MuonAdamW(torch.optim.Optimizer):
                     p.grad.copy_(average)
         self._grads_ready = True
 
-    def _share_weights(self) -> None:
-        """All-gather every rank's updated chunks and copy them into the parameters."""
-        for bucket in self.buckets:
-            bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
-        self._wait()
-        for bucket in self.buckets:
-            flat = bucket.flat.view(bucket.parts, bucket.chunk)
-            for p, slot in bucket.slots.items():
-                if slot.owner is not None:
-                    p.copy_(flat[slot.owner, slot.offset:slot.offset + p.numel()].view_as(p))
-                else:
-                    p.view(-1).copy_(flat[:, slot.offset:slot.offset + slot.size].reshape(-1)[:p.numel()])
+    # -- the updated weights, to every rank --------------------------------------------------------------
+
+    def finish_step(self) -> None:
+        """Sharded: write this rank's updated values into its chunks (where the spent gradients were),
+        all-gather every rank's chunks and copy them into the parameters. Then ready for the next step."""
+        if self.shard:
+            for p, values in self._updated.items():
+                self._own_part(p).copy_(values.view_as(self._own_part(p)))
+            for bucket in self.buckets:
+                bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
+            self._wait()
+            for bucket in self.buckets:
+                flat = bucket.flat.view(bucket.parts, bucket.chunk)
+                for p, slot in bucket.slots.items():
+                    if slot.owner is not None:
+                        p.copy_(flat[slot.owner, slot.offset:slot.offset + p.numel()].view_as(p))
+                    else:
+                        p.view(-1).copy_(flat[:, slot.offset:slot.offset + slot.size].reshape(-1)[:p.numel()])
+        self._packed.clear()
+        self._updated.clear()
+        self._launched, self._grads_ready = 0, False
 
     def _own_part(self, p: torch.Tensor) -> torch.Tensor:
         """Sharded: p's place in this rank's chunk (all of p, or this rank's slice of it), which holds
-        its averaged gradient until the update writes the new values there."""
+        its averaged gradient until finish_step() writes the new values there."""
         bucket, slot = self._slot[p]
         part = bucket.own[slot.offset:slot.offset + (p.numel() if slot.owner is not None else slot.size)]
         return part.view_as(p) if slot.owner is not None else part
@@ -1101,81 +1345,28 @@ class MuonAdamW(torch.optim.Optimizer):
             hook.remove()
         self._hooks = []
 
-    # -- the update --------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self):
-        self.wait_for_gradients()
-        for group, owned in zip(self.param_groups, self._owned):
-            if group["kind"] == "muon":
-                self._muon_step(group, owned)
-            else:
-                self._adamw_step(group)
-        if self.shard:
-            self._share_weights()
-        self._packed.clear()
-        self._launched, self._grads_ready = 0, False
+def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters in the order the backward completes their gradients, so that the first buckets
+    travel while it still runs: the reverse of the order the forward first uses them (the backward is
+    done with a parameter once it is back at its first use). Found by running the forward once on a
+    copy of the model on the meta device (no compute, no memory): no list to keep by hand."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    names, first_use = {id(p): name for name, p in twin.named_parameters()}, {}
 
-    def _adamw_step(self, group):
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if self.shard:
-                param, grad = self._own_slice(p), self._own_part(p)
-            elif p.grad is None:
-                continue
-            else:
-                param, grad = p, p.grad
-            state = self.state[p]
-            self._adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
-                               group["weight_decay"], beta1, beta2, group["eps"])
-            if self.shard:
-                grad.copy_(param)  # the gradient is spent: its place takes the new values
+    class RecordUse(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            for a in tree_leaves((args, kwargs)):
+                if id(a) in names:
+                    first_use.setdefault(names[id(a)], len(first_use))
+            return func(*args, **(kwargs or {}))
 
-    def _muon_step(self, group, owned):
-        if not owned:
-            return
-        # Sharded, the new values go where the (by then spent) gradients were, in this rank's chunks.
-        grads = [self._own_part(p) for p in owned] if self.shard else [p.grad for p in owned]
-        state = self.state[owned[0]]
-        new = self._muon_update(grads, owned, state["momentum"], state["second_moment"], group["lr"],
-                                group["momentum"], group["weight_decay"], group["beta2"], group["ns_steps"],
-                                group["ns_dtype"])
-        torch._foreach_copy_(grads if self.shard else owned, list(new.unbind(0)))
-
-    # -- checkpointing -----------------------------------------------------------------------------
-
-    def _sharding(self) -> dict:
-        """What a sharded state depends on: this rank, the world size, and which matrices it owns."""
-        if not self.shard:
-            return {"sharded": False}
-        owned = [[i for i, p in enumerate(g["params"]) if any(p is q for q in owned)]
-                 for g, owned in zip(self.param_groups, self._owned) if g["kind"] == "muon"]
-        return {"sharded": True, "rank": self.rank, "world_size": self.world_size, "owned_matrices": owned}
-
-    def state_dict(self) -> dict:
-        """Plain tensors and plain data (loads with weights_only=True); sharded, this rank's part only."""
-        return {**super().state_dict(), "sharding": self._sharding()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("sharding", {"sharded": False})
-        if saved != self._sharding():
-            raise ValueError(f"optimizer state saved as {saved} cannot be loaded here ({self._sharding()}): resume "
-                             "with the same world size, --shard-optimizer and --grad-bucket-mb, each rank loading "
-                             "its own file")
-        live = {(i, k): self.param_groups[i][k] for i, k in self._hyper_keys}
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
-        # Keep the hyperparameter tensors the compiled updates were traced with; take the saved values.
-        for (i, k), tensor in live.items():
-            tensor.copy_(torch.as_tensor(self.param_groups[i][k]))
-            self.param_groups[i][k] = tensor
-        self._hyper_host.copy_(self._hyper)
-        for p, state in self.state.items():
-            if "step" in state:
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor))
+    with RecordUse():
+        twin(torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    params = dict(model.named_parameters())
+    unused = [p for name, p in params.items() if name not in first_use]  # no gradient at all: last
+    return [params[name] for name in sorted(first_use, key=first_use.get, reverse=True)] + unused
 
 
 def flag_is_on(value: str, auto: bool, flag: str) -> bool:
@@ -1185,107 +1376,33 @@ def flag_is_on(value: str, auto: bool, flag: str) -> bool:
     return auto if value == "auto" else value == "on"
 
 
-def build_optimizer(model: GPT, hp: Hyperparameters, ns_dtype: torch.dtype | None = torch.bfloat16,
-                    compile_backend: str = "inductor") -> MuonAdamW:
-    """Param groups: AdamW for the head, embedding and scalars, Muon for each shape of block matrix.
-    ns_dtype: precision of the Polar Express iteration (None: fp32). compile_backend: torch.compile's
-    backend for the update (the device profile's), used where --compile-optimizer is on. Under
-    torchrun the optimizer averages the gradients over the ranks itself, sharded per --shard-optimizer."""
-    width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
-    adam = dict(kind="adamw", betas=(hp.adam_beta1, hp.adam_beta2), eps=1e-10, weight_decay=0.0)
-    groups = [
-        dict(params=[model.lm_head.weight], lr=hp.unembedding_lr * width_scale, **adam),
-        dict(params=[model.wte.weight], lr=hp.embedding_lr * width_scale, **adam),
-        dict(params=[model.resid_lambdas], lr=hp.scalar_lr * 0.01, **adam),
-        dict(params=[model.x0_lambdas], lr=hp.scalar_lr, **{**adam, "betas": (0.96, 0.95)}),
-    ]
-    matrices = list(model.blocks.parameters())
-    for shape in sorted({tuple(p.shape) for p in matrices}):
-        groups.append(dict(kind="muon", params=[p for p in matrices if tuple(p.shape) == shape], lr=hp.matrix_lr,
-                           momentum=hp.muon_momentum_start, ns_steps=hp.muon_ns_steps, ns_dtype=ns_dtype or torch.float32,
-                           beta2=hp.muon_beta2,
-                           weight_decay=hp.weight_decay))
-    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters())), "a parameter has no group"
-    for g in groups:
-        g["initial_lr"] = g["lr"]
+def build_optimizer(model: GPT, recipe: Recipe, options: RunOptions | None = None,
+                    ns_dtype: torch.dtype | None = torch.bfloat16, compile_backend: str = "inductor") -> MuonAdamW:
+    """MuonAdamW over parameter_groups(model, ...), its update compiled with `compile_backend` (the device
+    profile's) where --compile-optimizer is on. Under torchrun its transport averages the gradients over
+    the ranks, sharded per --shard-optimizer. ns_dtype: Polar Express's precision (None: fp32)."""
+    options = options or RunOptions()
+    groups = parameter_groups(model, recipe, ns_dtype)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    # The order the backward produces gradients in (the head first, the embedding last), so that the
-    # first buckets travel while the backward still runs.
-    ready_order = [model.lm_head.weight, *reversed(matrices), model.resid_lambdas, model.x0_lambdas, model.wte.weight]
-    bucket_bytes = int(hp.grad_bucket_mb * 2**20)
+    ready_order = gradient_ready_order(model) if world_size > 1 else None
+    bucket_bytes = int(options.grad_bucket_mb * 2**20)
     # Sharding sends as much as averaging does (a reduce-scatter and an all-gather make an all-reduce),
     # plus the padding, and saves state and update work on every rank: auto shards unless the
     # matrices deal out too unevenly over the ranks (few matrices, many ranks).
-    padding = sum(b.padding for b in plan_buckets(ready_order, set(matrices), world_size, bucket_bytes // 4)) \
+    whole = {p for g in groups if g["kind"] == "muon" for p in g["params"]}
+    padding = sum(b.padding for b in plan_buckets(ready_order or [], whole, world_size, bucket_bytes // 4)) \
         / model.num_params()
-    shard = flag_is_on(hp.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
-    compiled = flag_is_on(hp.compile_optimizer, hp.compile, "--compile-optimizer")
-    optimizer = MuonAdamW(groups, rank, world_size, shard, compile_backend if compiled else None, ready_order,
-                          bucket_bytes)
+    shard = flag_is_on(options.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
+    compiled = flag_is_on(options.compile_optimizer, options.compile, "--compile-optimizer")
+    transport = GradientTransport(groups, rank, world_size, shard, ready_order, bucket_bytes)
+    optimizer = MuonAdamW(groups, transport, compile_backend if compiled else None)
     line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
     if world_size > 1:
-        line += f" | gradients in {len(optimizer.buckets)} buckets over {world_size} ranks, " + \
+        line += f" | gradients in {len(transport.buckets)} buckets over {world_size} ranks, " + \
             (f"sharded (ZeRO-1, padding {100 * padding:.1f}%)" if shard else
              f"not sharded (sharded, the layout would pad {100 * padding:.1f}%)")
     print0(f"{line} | state {optimizer.state_bytes() / 2**20:.1f} MiB on this rank")
     return optimizer
-
-
-# -----------------------------------------------------------------------------------------------
-# Schedules: functions of progress = charged seconds / training seconds, in [0, 1]
-# -----------------------------------------------------------------------------------------------
-
-
-def lr_multiplier(progress: float, hp: Hyperparameters) -> float:
-    if progress < hp.warmup_ratio:
-        return progress / hp.warmup_ratio
-    if progress <= 1.0 - hp.warmdown_ratio:
-        return 1.0
-    cooldown = max(0.0, (1.0 - progress) / hp.warmdown_ratio)
-    return cooldown + (1.0 - cooldown) * hp.final_lr_frac
-
-
-def muon_momentum(progress: float, hp: Hyperparameters) -> float:
-    ramp = min(1.0, progress / hp.muon_momentum_warmup_ratio) if hp.muon_momentum_warmup_ratio > 0 else 1.0
-    return hp.muon_momentum_start + (hp.muon_momentum_end - hp.muon_momentum_start) * ramp
-
-
-def apply_schedules(optimizer: MuonAdamW, progress: float, hp: Hyperparameters) -> float:
-    """This step's learning rates, Muon momentum and weight decay, written to the optimizer's 0-D
-    device tensors (a changed value is data: it never recompiles the update)."""
-    lrm = lr_multiplier(progress, hp)
-    muon = dict(momentum=muon_momentum(progress, hp), weight_decay=hp.weight_decay * (1.0 - progress))
-    optimizer.set_hyperparameters([dict(lr=group["initial_lr"] * lrm, **(muon if group["kind"] == "muon" else {}))
-                                   for group in optimizer.param_groups])
-    return lrm
-
-
-# -----------------------------------------------------------------------------------------------
-# Training step
-# -----------------------------------------------------------------------------------------------
-
-
-class TrainingDiverged(RuntimeError):
-    pass
-
-
-def train_step(model: nn.Module, optimizer: MuonAdamW, batches, grad_accum_steps: int, world_size: int):
-    """One optimizer step over grad_accum_steps micro-batches from `batches`. Across ranks the
-    optimizer averages the gradients: the last micro-batch's backward sends them bucket by bucket as
-    they become ready, and optimizer.step() waits for them.
-    Returns (mean loss on this rank, as a tensor; the loader state of the last batch)."""
-    if world_size != optimizer.world_size:
-        raise ValueError(f"train_step for {world_size} ranks got an optimizer built for {optimizer.world_size}")
-    loss_sum = None
-    for micro_step in range(grad_accum_steps):
-        x, y, state = next(batches)
-        optimizer.sync_in_backward = micro_step == grad_accum_steps - 1  # earlier backwards only accumulate
-        loss = model(x, y)
-        (loss / grad_accum_steps).backward()
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    optimizer.step()
-    model.zero_grad(set_to_none=True)
-    return loss_sum / grad_accum_steps, state
 
 
 def agree_across_ranks(loss: torch.Tensor, stop: bool, world_size: int) -> tuple[float, bool]:
@@ -1296,6 +1413,114 @@ def agree_across_ranks(loss: torch.Tensor, stop: bool, world_size: int) -> tuple
         control[0] /= world_size
     loss_value, stop_votes = control.tolist()
     return loss_value, stop_votes > 0
+
+
+def any_rank(flag: bool, device: torch.device, world_size: int) -> bool:
+    """Whether flag is true on some rank: for decisions every rank must take together (one small collective)."""
+    if world_size == 1:
+        return flag
+    vote = torch.tensor(float(flag), device=device)
+    dist.all_reduce(vote)
+    return vote.item() > 0
+
+
+# -----------------------------------------------------------------------------------------------
+# Batch geometry: the recipe's batch at any world size
+# -----------------------------------------------------------------------------------------------
+
+
+class BatchGeometryError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    total_batch_size: int  # tokens per optimizer step, all ranks together
+    device_batch_size: int  # rows per micro-batch on each rank
+    seq_len: int
+    world_size: int
+    grad_accum_steps: int  # micro-batches per optimizer step on each rank
+    note: str = ""  # why the device batch differs from the one asked for ("" when it does not)
+
+
+def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> BatchGeometry:
+    """The rule: the total batch and the sequence length are the recipe and never change; the device
+    batch is a memory and speed knob, so it shrinks to the largest value not above the one asked for
+    such that device batch x seq_len x world size divides the total batch. No geometry exists when the
+    total batch is not a whole number of rows on every rank (too many ranks, or a total batch that is
+    not a multiple of seq_len x world size): then a clear error says what would work."""
+    for name, value in (("--total-batch-size", total_batch_size), ("--device-batch-size", device_batch_size),
+                        ("--seq-len", seq_len), ("world size", world_size)):
+        if value < 1:
+            raise BatchGeometryError(f"{name} must be positive, got {value}")
+    row_tokens = seq_len * world_size  # one row on every rank
+    if total_batch_size % row_tokens:
+        below, above = row_tokens * (total_batch_size // row_tokens), row_tokens * -(-total_batch_size // row_tokens)
+        options = " or ".join(f"--total-batch-size {n}" for n in (below, above) if n > 0)
+        fewer = f", or at most {total_batch_size // seq_len} ranks" if total_batch_size % seq_len == 0 and \
+            total_batch_size // seq_len < world_size else ""
+        raise BatchGeometryError(f"no batch geometry: --total-batch-size {total_batch_size} is not a whole number of "
+                                 f"rows of {seq_len} tokens on each of {world_size} ranks ({row_tokens} tokens a "
+                                 f"row on every rank); use {options}{fewer}")
+    rows_per_rank = total_batch_size // row_tokens
+    rows = max(k for k in range(1, min(device_batch_size, rows_per_rank) + 1) if rows_per_rank % k == 0)
+    note = "" if rows == device_batch_size else (
+        f"device batch {device_batch_size} -> {rows} rows: the total batch of {total_batch_size:,} tokens is "
+        f"{rows_per_rank} rows of {seq_len} on each of {world_size} ranks")
+    return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
+
+
+# -----------------------------------------------------------------------------------------------
+# The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it
+# -----------------------------------------------------------------------------------------------
+# Charged time = wall time since the process started, minus the start-up allowance (the time until
+# the end of this process's step TRAIN_STARTUP_STEPS_EXCLUDED - 1, at most
+# TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS), plus what a resumed run's earlier processes were charged. The
+# organisers' prepare.py gives train.py the constants and record_step_boundary, not its ledger's
+# figures, so train.py counts for itself; the harness's ledger counts from the same step boundaries.
+
+IMPORTED_AT = time.time()
+
+
+def process_start_time() -> float:
+    """time.time() when this process started: on Linux from /proc (the interpreter's start and the
+    imports count); elsewhere when train.py was imported, which is later, so it charges less."""
+    try:
+        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return IMPORTED_AT
+
+
+class BudgetClock:
+    def __init__(self, carried_seconds: float = 0.0):
+        self.started, self.carried_seconds = process_start_time(), carried_seconds
+        self.step_ends: list[float] = []  # when each optimizer step of this process ended
+
+    def step_done(self) -> int:
+        """Note the end of an optimizer step; returns its index in this process (what
+        record_step_boundary takes: a resumed process starts again from 0, with its own start-up)."""
+        self.step_ends.append(time.time())
+        return len(self.step_ends) - 1
+
+    def status(self, budget_seconds: float) -> dict:
+        now = time.time()
+        started_up = len(self.step_ends) >= TRAIN_STARTUP_STEPS_EXCLUDED
+        startup = (self.step_ends[TRAIN_STARTUP_STEPS_EXCLUDED - 1] if started_up else now) - self.started
+        allowance = min(startup, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)
+        charged = self.carried_seconds + now - self.started - allowance
+        return {"charged_seconds": charged, "startup_allowance_seconds": allowance,
+                "elapsed_seconds": now - self.started, "over_budget": charged > budget_seconds}
+
+    def charged_seconds(self) -> float:
+        return self.status(float("inf"))["charged_seconds"]
+
+    def median_step_seconds(self) -> float | None:
+        """The median step after start-up (None before there is one), printed beside the start-up: a
+        start-up far longer than a few steps is compilation or a slow first step."""
+        ends = self.step_ends[TRAIN_STARTUP_STEPS_EXCLUDED - 1:]
+        return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) > 1 else None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1350,42 +1575,16 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
                      f"{EARLIER_CHECKPOINT_FORMAT!r} (config, state_dict)")
 
 
-def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
-    """The scorer's entry point: the trained model from checkpoint_path on `device`, in eval mode,
-    frozen, with a pure causal forward: logits[:, t] depend only on tokens 0..t of their own row."""
-    device = torch.device(device)
-    config, state, _ = read_checkpoint(checkpoint_path)
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise ValueError(f"{checkpoint_path} was written by a model with config fields {unknown} that this "
-                         "train.py's GPTConfig does not have")
-    model = GPT(GPTConfig(**config))
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{checkpoint_path} does not fit this train.py's GPT with config {config}: "
-                         f"{str(e).splitlines()[0]} ...") from None
-    model.to(device)
-    model.compute_dtype = compute_dtype_for(device.type)
-    return model.eval().requires_grad_(False)
-
-
 # Resumable runs. --save-every SECONDS writes the full training state under out_dir/state:
 # step_NNNNNN/model.pt (weights, checkpoint format), step_NNNNNN/optimizer_rankNNNNN.pt (each rank's
 # optimizer.state_dict(), its shard when the optimizer is sharded, and its CPU RNG state), and latest.json
-# (step, tokens, charged seconds, batch geometry, flags). Every rank writes its files, all meet at a
+# (step, tokens, charged seconds, batch geometry, the recipe). Every rank writes its files, all meet at a
 # barrier, and only then rank 0 points latest.json at the new folder and removes the older ones: a
 # crash at any moment leaves the previous snapshot whole. The loader position is the step count
 # (make_dataloader(start_batch=...) skips what was consumed). On several servers, --out-dir must be
 # storage every server sees.
 
 STATE_DIR = "state"
-# Flags a resumed run may change: they control the run around the training trajectory, not the trajectory
-# (compile and kernels change rounding at most, and may need switching off to get a run going again).
-RESUME_MAY_CHANGE = frozenset({"out_dir", "save_every", "resume", "log_every", "eval_public", "eval_tokens",
-                               "compile", "nki_relu2", "nki_rmsnorm", "nki_rope_qknorm", "nki_softcap_ce",
-                               "inject_nan_step"})
 
 
 @dataclass
@@ -1395,6 +1594,11 @@ class RunState:
     tokens_seen: int = 0
     smooth_loss: float = 0.0  # exponential moving average of the loss, before bias correction
     charged_seconds: float = 0.0  # charged time when the snapshot was complete
+
+    @property
+    def train_loss(self) -> float:
+        """The smoothed loss, bias-corrected: the summary's train_loss."""
+        return self.smooth_loss / (1 - 0.9 ** self.step)
 
 
 class ResumeError(ValueError):
@@ -1413,8 +1617,8 @@ def on_cpu(tree):
     return tree
 
 
-def save_snapshot(state_dir: Path, model: GPT, optimizer, run: RunState, hp: Hyperparameters,
-                  geometry: "BatchGeometry", rank: int) -> None:
+def save_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, run: RunState, recipe: Recipe,
+                  geometry: BatchGeometry, rank: int, clock: BudgetClock) -> None:
     """Write the full training state after step run.step - 1 (every rank calls this)."""
     folder = state_dir / f"step_{run.step:06d}"
     if rank == 0:
@@ -1424,16 +1628,16 @@ def save_snapshot(state_dir: Path, model: GPT, optimizer, run: RunState, hp: Hyp
     if geometry.world_size > 1:
         dist.barrier()  # every rank's files are on disk
     if rank == 0:
-        done = dataclasses.replace(run, charged_seconds=budget_status()["charged_seconds"])
+        done = dataclasses.replace(run, charged_seconds=clock.charged_seconds())
         pointer = {"snapshot": folder.name, "run": asdict(done), "world_size": geometry.world_size,
-                   "geometry": asdict(geometry), "hyperparameters": asdict(hp)}
+                   "geometry": asdict(geometry), "recipe": asdict(recipe)}
         write_atomically(state_dir / "latest.json", lambda tmp: tmp.write_text(json.dumps(pointer, indent=1)))
         for old in state_dir.glob("step_*"):
             if old.name != folder.name:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def load_snapshot(state_dir: Path, model: GPT, optimizer, hp: Hyperparameters, geometry: "BatchGeometry",
+def load_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, recipe: Recipe, geometry: BatchGeometry,
                   rank: int) -> RunState:
     """Restore the newest complete snapshot in state_dir into model and optimizer (every rank calls this)."""
     pointer_path = state_dir / "latest.json"
@@ -1445,12 +1649,12 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer, hp: Hyperparameters, g
         raise ResumeError(f"--resume {state_dir}: that run had {pointer['world_size']} ranks, this one has "
                           f"{geometry.world_size}; resume with the same number of ranks (the data each rank reads "
                           "and the optimizer's shards depend on it)")
-    saved = pointer["hyperparameters"]
-    changed = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}" for k, v in asdict(hp).items()
-               if k not in RESUME_MAY_CHANGE and saved.get(k) != v]
+    saved = pointer["recipe"]
+    changed = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}" for k, v in asdict(recipe).items()
+               if saved.get(k) != v]
     if changed:
-        raise ResumeError(f"--resume {state_dir}: flags changed since the interrupted run ({'; '.join(changed)}), "
-                          "which would change its trajectory; resume with the flags it was started with")
+        raise ResumeError(f"--resume {state_dir}: the recipe changed since the interrupted run ({'; '.join(changed)}), "
+                          "which would change its trajectory; resume with the recipe it was started with")
     folder = state_dir / pointer["snapshot"]
     model_file, rank_file = folder / "model.pt", folder / f"optimizer_rank{rank:05d}.pt"
     for path in (model_file, rank_file):
@@ -1465,367 +1669,176 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer, hp: Hyperparameters, g
 
 
 # -----------------------------------------------------------------------------------------------
-# Scale: batch geometry for any world size, and the budget planner
+# The command line: a flag for every Recipe and RunOptions field, presets, the organisers' aliases
 # -----------------------------------------------------------------------------------------------
-
-
-class BatchGeometryError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class BatchGeometry:
-    total_batch_size: int  # tokens per optimizer step, all ranks together
-    device_batch_size: int  # rows per micro-batch on each rank
-    seq_len: int
-    world_size: int
-    grad_accum_steps: int  # micro-batches per optimizer step on each rank
-    note: str = ""  # why the device batch differs from the one asked for ("" when it does not)
-
-
-def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> BatchGeometry:
-    """The rule: the total batch and the sequence length are the recipe and never change; the device
-    batch is a memory and speed knob, so it shrinks to the largest value not above the one asked for
-    such that device batch x seq_len x world size divides the total batch. No geometry exists when the
-    total batch is not a whole number of rows on every rank (too many ranks, or a total batch that is
-    not a multiple of seq_len x world size): then a clear error says what would work."""
-    for name, value in (("--total-batch-size", total_batch_size), ("--device-batch-size", device_batch_size),
-                        ("--seq-len", seq_len), ("world size", world_size)):
-        if value < 1:
-            raise BatchGeometryError(f"{name} must be positive, got {value}")
-    row_tokens = seq_len * world_size  # one row on every rank
-    if total_batch_size % row_tokens:
-        below, above = row_tokens * (total_batch_size // row_tokens), row_tokens * -(-total_batch_size // row_tokens)
-        options = " or ".join(f"--total-batch-size {n}" for n in (below, above) if n > 0)
-        fewer = f", or at most {total_batch_size // seq_len} ranks" if total_batch_size % seq_len == 0 and \
-            total_batch_size // seq_len < world_size else ""
-        raise BatchGeometryError(f"no batch geometry: --total-batch-size {total_batch_size} is not a whole number of "
-                                 f"rows of {seq_len} tokens on each of {world_size} ranks ({row_tokens} tokens a "
-                                 f"row on every rank); use {options}{fewer}")
-    rows_per_rank = total_batch_size // row_tokens
-    rows = max(k for k in range(1, min(device_batch_size, rows_per_rank) + 1) if rows_per_rank % k == 0)
-    note = "" if rows == device_batch_size else (
-        f"device batch {device_batch_size} -> {rows} rows: the total batch of {total_batch_size:,} tokens is "
-        f"{rows_per_rank} rows of {seq_len} on each of {world_size} ranks")
-    return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
-
-
-# The planner's rule. A preset sweep may revise these constants; each says where its value comes from.
-PLAN_TOKENS_PER_PARAM = 10.5  # nanochat's compute-optimal fit for this model family (anchors: at a fixed
-                              # compute budget, the loss is lowest near 10.5 training tokens per parameter)
-                              # Not at CPU scale: at 5 minutes (~1e14 FLOPs) the preset sweep found ~0.7 best
-                              # (README, "The CPU preset, chosen by measurement"): size such runs by a sweep
-PLAN_REFERENCE_BATCH = 2**18  # autoresearch's tuned batch (tokens per step) for a run of ...
-PLAN_REFERENCE_TOKENS = 5e8  # ... ~0.5B training tokens (5 minutes on an H100)
-PLAN_BATCH_EXPONENT = 0.383  # nanochat's fit: the best batch grows as (training tokens)^0.383 (2^18 at depth 8 to
-                             # 2^20 at depth 26); so the steps in a budget grow as (tokens)^0.617
-PLAN_ASSUMED_MFU = 0.22  # without a measurement: a dense 6-layer x 1024 model reached ~22% on one Trainium2
-                         # chip in Phase 1; measure your own and re-plan (--tokens-per-second or --probe)
-PLAN_MAX_DEPTH = 64
-PLAN_PROBE_WARMUP, PLAN_PROBE_STEPS = 3, 5  # --probe: steps that compile and warm up, then steps timed
 
 
 @dataclass
-class Plan:
-    hp: Hyperparameters  # the planned flags
-    ranks: int
-    flops_per_second: float  # achieved model FLOP/s, all ranks together
-    throughput_source: str
-    params: int
-    flops_per_token: int
-    training_seconds: float  # the budget less the time kept for the checkpoint
-    geometry: BatchGeometry
-    steps: int
-
-    @property
-    def tokens(self) -> int:
-        return self.steps * self.geometry.total_batch_size
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.flops_per_second / self.flops_per_token
-
-
-def planned_batch_size(tokens: float, seq_len: int, ranks: int) -> int:
-    """The batch law's tokens per step for a run of `tokens`, as a power-of-two number of rows on every
-    rank (so at least one row per rank)."""
-    ideal = PLAN_REFERENCE_BATCH * (tokens / PLAN_REFERENCE_TOKENS) ** PLAN_BATCH_EXPONENT
-    row_tokens = seq_len * ranks
-    return row_tokens * 2 ** max(0, round(math.log2(ideal / row_tokens)))
+class RunOptions:
+    """How a run executes around its recipe: each is a flag too, and a resumed run may change any of them
+    (compilation, kernels and the loss's chunking change rounding at most)."""
+    device: str = ""  # neuron, cuda or cpu; empty (or auto): the fastest present
+    compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
+    compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
+                                     # small ones: on, off, auto (on with --compile)
+    chunked_loss: bool = True  # head + softcap + loss in LOSS_CHUNKS slices of rows (never the full fp32 logits);
+                               # --no-chunked-loss: the plain path, e.g. to compare on a new device
+    nki_relu2: bool = False  # the MLP activation as the inline NKI kernel (neuron device only)
+    nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
+    nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
+    nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
+    shard_optimizer: str = "auto"  # ZeRO-1 across ranks: each keeps state for, and updates, only its share:
+                                   # on, off, auto (on unless the matrices deal out unevenly, see build_optimizer)
+    grad_bucket_mb: float = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
+    out_dir: str = "out"
+    save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none); a crash then
+                             # loses at most this much training
+    resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
+    log_every: int = 10  # print a progress line every this many steps
+    eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
+    eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
+    inject_nan_step: int = -1  # test hook: make the loss NaN at this step, to exercise the failure path
 
 
-def plan_run(hp: Hyperparameters, ranks: int, budget_seconds: float, flops_per_second: float,
-             throughput_source: str = "given") -> Plan:
-    """Size a run for a budget at a throughput (achieved model FLOP/s, all ranks): the depth, at the
-    flags' aspect ratio and head size, whose training tokens per parameter come nearest (in ratio)
-    PLAN_TOKENS_PER_PARAM; the batch from the batch law; the steps that fill the budget. Pure."""
-    best = None
-    for depth in range(1, PLAN_MAX_DEPTH + 1):
-        candidate = dataclasses.replace(hp, depth=depth, time_budget=float(budget_seconds))
-        with torch.device("meta"):
-            model = GPT(model_config(candidate))
-        training_seconds = budget_seconds - checkpoint_save_reserve(model)
-        if training_seconds <= 0:
-            break
-        tokens = flops_per_second / model.flops_per_token() * training_seconds
-        distance = abs(math.log(tokens / model.num_params() / PLAN_TOKENS_PER_PARAM))
-        if best is not None and distance > best[0]:
-            break  # tokens per parameter only fall with depth: past the target, every deeper model is further
-        best = (distance, candidate, model, training_seconds, tokens)
-    if best is None:
-        raise ValueError(f"a budget of {budget_seconds:.0f}s leaves no time to train after saving the checkpoint")
-    _, candidate, model, training_seconds, tokens = best
-    batch = planned_batch_size(tokens, hp.seq_len, ranks)
-    geometry = batch_geometry(batch, hp.device_batch_size, hp.seq_len, ranks)
-    candidate = dataclasses.replace(candidate, total_batch_size=batch, device_batch_size=geometry.device_batch_size)
-    return Plan(candidate, ranks, flops_per_second, throughput_source, model.num_params(), model.flops_per_token(),
-                training_seconds, geometry, int(tokens // batch))
+# The organisers' baseline train.py spells three flags differently and reads settings from the
+# environment; both spellings work, with the same meaning. Precedence, lowest first: the defaults,
+# --preset, the environment, the command line.
+OFFICIAL_FLAG_NAMES = {"max_steps": "--num-steps", "time_budget": "--max-train-seconds", "device": "--device-type"}
+# field -> the variables that set it: the organisers' names, and for the three settings the kit's prepare.py
+# reads too (so that train.py writes where `prepare.py eval-public` looks) its FRONTIER_* names. Two set
+# variables of one field must agree.
+ENVIRONMENT = {"max_steps": ("NEURON_COMPETITION_R1_NUM_STEPS",),
+               "time_budget": ("NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",),
+               "compile": ("NEURON_COMPETITION_R1_COMPILE",),
+               "nki_relu2": ("NEURON_COMPETITION_R1_NKI_RELU2",),
+               "out_dir": ("NEURON_COMPETITION_R1_OUT_DIR", "FRONTIER_OUT_DIR"),
+               "eval_public": ("NEURON_COMPETITION_R1_EVAL_PUBLIC", "FRONTIER_EVAL_PUBLIC"),
+               "eval_tokens": ("NEURON_COMPETITION_R1_EVAL_TOKENS", "FRONTIER_EVAL_TOKENS")}
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def format_plan(plan: Plan) -> str:
-    hp, g = plan.hp, plan.geometry
-    config = model_config(hp)
-    flags = f"--depth {hp.depth} --total-batch-size {hp.total_batch_size} --device-batch-size {hp.device_batch_size} " \
-            f"--time-budget {hp.time_budget:.0f}"
-    launch = f"torchrun --standalone --nproc_per_node={plan.ranks} train.py" if plan.ranks > 1 else "python train.py"
-    per_rank = plan.flops_per_second / plan.ranks
-    rows = [("throughput", f"{per_rank / 1e12:.1f} TFLOP/s per rank ({plan.throughput_source})"),
-            ("ranks", plan.ranks), ("budget_seconds", f"{hp.time_budget:.0f}"),
-            ("training_seconds", f"{plan.training_seconds:.0f}"),
-            ("depth", hp.depth), ("width", config.n_embd), ("heads", config.n_head),
-            ("parameters_M", f"{plan.params / 1e6:.1f}"), ("flops_per_token", f"{plan.flops_per_token:.4e}"),
-            ("tokens_per_second", f"{plan.tokens_per_second:,.0f}"),
-            ("batch", f"{g.total_batch_size:,} tokens = {g.device_batch_size} x {g.seq_len} x {g.world_size} ranks x "
-                      f"{g.grad_accum_steps} accumulation"),
-            ("steps", f"{plan.steps:,}"), ("tokens_B", f"{plan.tokens / 1e9:.2f}"),
-            ("tokens_per_parameter", f"{plan.tokens / plan.params:.1f}"),
-            ("command", f"{launch} {flags}")]
-    return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
+PRESETS = {
+    # A laptop CPU for 5 minutes: the winner of benchmarks/preset_sweep.py at 300 s on the 2-core
+    # machine (val_bpb 1.265 against 1.585 for the depth-4, width-384 model it replaced; table in the
+    # README). Small (4.5M parameters, 0.7 tokens each in 5 minutes) and short rows, so ~700 steps of 4K
+    # tokens; compiled, because eager elementwise work on the 8192-wide logits dominates a CPU step.
+    "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
+                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20),
+    # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
+    "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0),
+    # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
+    # `tools/plan.py --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
+    # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
+    # model's weights, gradients, optimizer state and activations well inside a rank's 24 GiB at LNC=2 (an
+    # estimate: measure peak_memory_mb on the machine). A snapshot every 30 minutes bounds what a crash costs.
+    "phase2": dict(depth=23, total_batch_size=2**19, device_batch_size=2, time_budget=14400.0, save_every=1800.0),
+}
 
 
-def measure_training_throughput(hp: Hyperparameters, device_type: str, dtype: str, steps: int, warmup: int) -> dict:
-    """One process training the model of `hp` on random tokens (throughput does not depend on the text):
-    tokens/s and MFU over `steps` optimizer steps, after `warmup` steps that include compilation."""
-    profile = device_profile(device_type, dtype)
-    device = torch.device(device_type)
-    model = GPT(model_config(hp)).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    model.chunked_loss = hp.chunked_loss
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
-    geometry = batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, 1)
-
-    def batches():
-        while True:
-            x = torch.randint(0, 8183, (geometry.device_batch_size, hp.seq_len + 1), device=device)
-            yield x[:, :-1], x[:, 1:], {}
-
-    data = batches()
-    t0 = time.time()
-    for _ in range(warmup):
-        train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
-    synchronize(device)
-    warm = time.time() - t0
-    t0, cpu0 = time.time(), time.process_time()
-    for _ in range(steps):
-        train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
-    synchronize(device)
-    dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
-    tok_s = hp.total_batch_size / dt
-    return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
-            "step_s": dt, "cpu_step_s": cpu_dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
-            "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
-            "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
-            "params_M": model.num_params() / 1e6, "peak_memory_mb": peak_memory_mb(device)}
+def setting_fields() -> list[dataclasses.Field]:
+    return [*dataclasses.fields(Recipe), *dataclasses.fields(RunOptions)]
 
 
-def plan_command(hp: Hyperparameters, options: argparse.Namespace) -> int:
-    """python train.py --plan: the throughput from a measurement, a probe or an assumed MFU, then the plan."""
-    budget = options.budget if options.budget is not None else hp.time_budget
-    if options.ranks < 1 or budget <= 0:
-        raise SystemExit(f"error: --plan needs --ranks >= 1 and --budget > 0, got {options.ranks}, {budget}")
-    target = hp.device if hp.device not in ("", "auto") else "neuron"  # the competition's device, unless told
-    with torch.device("meta"):
-        flops_per_token = GPT(model_config(hp)).flops_per_token()  # the model the other flags describe
-    if options.tokens_per_second is not None:
-        measured_ranks = options.measured_ranks or options.ranks
-        if options.tokens_per_second <= 0 or measured_ranks < 1:
-            raise SystemExit("error: --tokens-per-second and --measured-ranks must be positive")
-        per_rank = options.tokens_per_second / measured_ranks * flops_per_token
-        source = f"measured {options.tokens_per_second:,.0f} tokens/s of the depth-{hp.depth} model on " \
-                 f"{measured_ranks} ranks"
-    elif options.probe:
-        here = detect_device_type()
-        if target != here:
-            raise SystemExit(f"error: --probe measures on the device it plans for ({target}), and this machine's is "
-                             f"{here}: pass --device {here} to plan for it, or give --tokens-per-second or --mfu")
-        print(f"probe: {PLAN_PROBE_WARMUP} + {PLAN_PROBE_STEPS} steps of the depth-{hp.depth} model on {target}",
-              flush=True)
-        r = measure_training_throughput(hp, target, hp.dtype, PLAN_PROBE_STEPS, PLAN_PROBE_WARMUP)
-        per_rank = r["achieved_tflops"] * 1e12
-        source = f"probe: {r['tokens_per_second']:,.0f} tokens/s of the depth-{hp.depth} model on one {target} " \
-                 f"rank, {r['mfu_percent']:.1f}% MFU"
-    else:
-        mfu = options.mfu if options.mfu is not None else PLAN_ASSUMED_MFU
-        if not 0 < mfu <= 1:
-            raise SystemExit(f"error: --mfu is a fraction in (0, 1], got {mfu}")
-        if target == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("error: an MFU-based plan for cuda reads the GPU's peak, and this machine has no GPU; "
-                             "plan on the GPU machine, or give --tokens-per-second")
-        profile = device_profile(target, hp.dtype)
-        per_rank = mfu * profile.peak_flops
-        source = f"{'assumed' if options.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
-                 f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
-    print(format_plan(plan_run(hp, options.ranks, budget, per_rank * options.ranks, source)))
-    return 0
+def build_parser() -> argparse.ArgumentParser:
+    """Flags for every Recipe and RunOptions field (with the official spelling beside ours where it
+    differs) and --preset."""
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
+    for kind in (Recipe, RunOptions):
+        group = parser.add_argument_group(f"{kind.__name__} (see its comments in train.py)")
+        for f in dataclasses.fields(kind):
+            official = [OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else []
+            flags = ["--" + f.name.replace("_", "-"), *official]
+            help_text = f"default: {f.default!r}"
+            if f.name in ENVIRONMENT:
+                help_text += f"; environment: {' or '.join(ENVIRONMENT[f.name])}"
+            if f.type in ("bool", bool):
+                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            else:
+                group.add_argument(*flags, dest=f.name, type={"int": int, "float": float, "str": str}[str(f.type)],
+                                   default=None, help=help_text)
+    return parser
+
+
+def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) -> tuple[dict, dict]:
+    """Settings made by the environment variables of ENVIRONMENT: ({field: value}, {field: "VAR=value"})."""
+    types = {f.name: str(f.type) for f in setting_fields()}
+    values, used = {}, {}
+    for name, variables in ENVIRONMENT.items():
+        found = {var: environ[var].strip() for var in variables if environ.get(var, "").strip()}
+        if not found:
+            continue
+        if len(set(found.values())) > 1:
+            parser.error(" and ".join(f"{var}={raw!r}" for var, raw in found.items()) + " disagree; they mean the "
+                         "same thing: unset one")
+        var, raw = next(iter(found.items()))  # (the others say the same)
+        try:
+            if types[name] == "bool":
+                if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
+                    raise ValueError
+                values[name] = raw.lower() in TRUE_WORDS
+            else:
+                values[name] = {"int": int, "float": float, "str": str}[types[name]](raw)
+        except ValueError:
+            kind = {"bool": f"one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}", "int": "an integer",
+                    "float": "a number"}[types[name]]
+            parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
+        used[name] = f"{var}={raw}"
+    return values, used
+
+
+def parse_command_line(argv=None) -> tuple[Recipe, RunOptions, list[str]]:
+    """(recipe, run options, one note per environment variable used)."""
+    parser = build_parser()
+    return settings_from(parser.parse_args(argv), parser)
+
+
+def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Recipe, RunOptions, list[str]]:
+    """The recipe and run options of parsed flags (of build_parser(), perhaps with a tool's own added),
+    --preset and the environment, in that precedence (see OFFICIAL_FLAG_NAMES)."""
+    values = dict(PRESETS[args.preset]) if args.preset else {}
+    from_env, used = environment_settings(parser)
+    given = {f.name: getattr(args, f.name) for f in setting_fields() if getattr(args, f.name) is not None}
+    notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
+                                                              else "") for name, setting in used.items()]
+    values.update(from_env)
+    values.update(given)
+    recipe = Recipe(**{f.name: values[f.name] for f in dataclasses.fields(Recipe) if f.name in values})
+    options = RunOptions(**{f.name: values[f.name] for f in dataclasses.fields(RunOptions) if f.name in values})
+    return recipe, options, notes
 
 
 # -----------------------------------------------------------------------------------------------
-# main
+# main, and the summary tools grep
 # -----------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
-    hp, options, notes = parse_command_line(argv)
-    if options.plan:
-        return plan_command(hp, options)
-    device_type = hp.device if hp.device not in ("", "auto") else detect_device_type()
-    setup_kernels(hp, device_type)
-    profile = device_profile(device_type, hp.dtype)
+    recipe, options, notes = parse_command_line(argv)
+    device_type = options.device if options.device not in ("", "auto") else detect_device_type()
+    setup_kernels(options, device_type)
+    profile = device_profile(device_type, recipe.dtype)
     device, rank, world_size = init_distributed(profile)
     for note in notes:
         print0(f"environment: {note}")
-    torch.manual_seed(hp.seed)
+    torch.manual_seed(recipe.seed)
     try:
-        return train(hp, profile, device, rank, world_size)
+        return train(recipe, options, profile, device, rank, world_size)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def training_progress(step: int, charged_seconds: float, training_seconds: float, hp: Hyperparameters) -> float:
-    """Where the run is in its schedules, in [0, 1]. With a step count (--max-steps / --num-steps) it is
-    step / max_steps, the same in every run of the same flags, so an interrupted and resumed run
-    follows the schedule of an uninterrupted one; the time budget still stops the run. Otherwise it is
-    charged time over training time, which adapts to the machine's speed."""
-    if hp.max_steps > 0:
-        return min(1.0, step / hp.max_steps)
-    return min(1.0, max(0.0, charged_seconds / training_seconds))
-
-
-def any_rank(flag: bool, device: torch.device, world_size: int) -> bool:
-    """Whether flag is true on some rank: for decisions every rank must take together (one small collective)."""
-    if world_size == 1:
-        return flag
-    vote = torch.tensor(float(flag), device=device)
-    dist.all_reduce(vote)
-    return vote.item() > 0
-
-
-def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, rank: int, world_size: int) -> int:
-    geometry = batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, world_size)
-    tokenizer = ensure_tokenizer()
-    config = model_config(hp, tokenizer.get_vocab_size())
-    model = GPT(config).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    model.chunked_loss = hp.chunked_loss
-    if world_size > 1:
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            dist.broadcast(p.data, src=0)
-    optimizer = build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
-    run = RunState()
-    if hp.resume:
-        run = load_snapshot(Path(hp.resume), model, optimizer, hp, geometry, rank)
-        resume_ledger(run.step, run.charged_seconds)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
-    batches = make_dataloader(tokenizer, geometry.device_batch_size, hp.seq_len, "train", device, seed=hp.seed,
-                              start_batch=run.step * geometry.grad_accum_steps)
-    reserve = checkpoint_save_reserve(model)
-    training_seconds = hp.time_budget - reserve
-    if training_seconds <= 0:
-        raise SystemExit(f"error: --time-budget {hp.time_budget}s leaves no time to train after the "
-                         f"{reserve:.0f}s kept for saving the checkpoint")
-    flops_per_token = model.flops_per_token()
-    print0(f"device: {device} x {world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
-           f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
-    print0(f"model: {asdict(config)}")
-    print0(f"parameters: {model.num_params():,} | FLOPs per token: {flops_per_token:.4e}")
-    if geometry.note:
-        print0(f"batch geometry: {geometry.note}")
-    print0(f"batch: {hp.total_batch_size:,} tokens = {geometry.device_batch_size} x {hp.seq_len} x {world_size} ranks "
-           f"x {geometry.grad_accum_steps} accumulation | budget {hp.time_budget:.0f}s, of which {reserve:.0f}s kept "
-           f"for the save | schedules on {'steps' if hp.max_steps > 0 else 'charged time'}")
-    if hp.resume:
-        print0(f"resumed: {hp.resume} at step {run.step}, {run.charged_seconds:.1f}s charged so far")
-
-    state_dir = Path(hp.out_dir) / STATE_DIR
-    step_times, last_snapshot, snapshot_seconds = [], time.time(), reserve
-    while True:
-        progress = training_progress(run.step, budget_status()["charged_seconds"], training_seconds, hp)
-        lrm = apply_schedules(optimizer, progress, hp)
-        t0 = time.time()
-        loss, loader_state = train_step(step_model, optimizer, batches, geometry.grad_accum_steps, world_size)
-        if run.step == hp.inject_nan_step:
-            loss = loss * float("nan")
-        synchronize(device)
-        status = record_step_boundary(run.step)
-        dt = time.time() - t0
-        step_times.append(dt)
-        run.tokens_seen += hp.total_batch_size
-        snapshot_due = hp.save_every > 0 and any_rank(time.time() - last_snapshot >= hp.save_every, device, world_size)
-        next_step = max(step_times[-5:]) + (snapshot_seconds if snapshot_due else 0.0)
-        stop = status["charged_seconds"] + next_step > training_seconds or 0 < hp.max_steps <= run.step + 1
-        loss_value, stop = agree_across_ranks(loss, stop, world_size)
-        if not math.isfinite(loss_value) or loss_value > 2 * math.log(config.vocab_size):
-            raise TrainingDiverged(f"training diverged at step {run.step}: loss {loss_value} (uniform guessing is "
-                                   f"{math.log(config.vocab_size):.2f}); no checkpoint written. Lower the learning "
-                                   "rates or check the last change.")
-        run.smooth_loss = 0.9 * run.smooth_loss + 0.1 * loss_value
-        if rank == 0 and (len(step_times) <= 5 or run.step % hp.log_every == 0 or stop):
-            tok_per_sec = hp.total_batch_size / dt
-            mfu = 100 * flops_per_token * tok_per_sec / (profile.peak_flops * world_size)
-            print(f"step {run.step:05d} ({100 * progress:4.1f}%) | loss: "
-                  f"{run.smooth_loss / (1 - 0.9 ** (run.step + 1)):.6f} | lrm: {lrm:.2f} | dt: {dt * 1000:.0f}ms | "
-                  f"tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | epoch: {loader_state['epoch']} | "
-                  f"remaining: {training_seconds - status['charged_seconds']:.0f}s", flush=True)
-        run.step += 1
-        if stop:
-            break
-        if snapshot_due:
-            t0 = time.time()
-            save_snapshot(state_dir, model, optimizer, run, hp, geometry, rank)
-            last_snapshot = time.time()
-            snapshot_seconds = last_snapshot - t0
-
-    train_loss = run.smooth_loss / (1 - 0.9 ** run.step)
-    training_status = budget_status(hp.time_budget)
-    checkpoint = Path(hp.out_dir) / "final.pt"
-    if rank == 0:
-        save_checkpoint(checkpoint, model, {"step": run.step, "total_train_tokens": run.tokens_seen,
-                                            "world_size": world_size, "hyperparameters": asdict(hp),
-                                            "final_loss": train_loss})
-    if world_size > 1:
-        dist.barrier()  # the checkpoint is on disk before any rank reports
-    final = budget_status(hp.time_budget)
-    median_step = median_step_seconds()
-
-    result = None
-    if hp.eval_public and hp.eval_tokens > 0:
-        # Every rank calls evaluate_bpb with the same arguments: under torchrun it shares the rows among them.
-        eval_batch = max(1, geometry.device_batch_size * hp.seq_len // EVAL_SEQ_LEN)
-        result = evaluate_bpb(model, tokenizer, eval_batch, EVAL_SEQ_LEN, device, split="public_val",
-                              max_tokens=hp.eval_tokens)
-    if rank != 0:
-        return 0
-
-    # Timed steps only: the start-up steps include compilation and warm-up.
-    timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:] or step_times
-    tok_per_sec = hp.total_batch_size * len(timed) / sum(timed)
-    mfu = 100 * flops_per_token * tok_per_sec / (profile.peak_flops * world_size)
+def print_summary(result: dict | None, trained: dict, final: dict, clock: BudgetClock, run: RunState,
+                  step_times: list[float], recipe: Recipe, model: GPT, optimizer: MuonAdamW, profile: DeviceProfile,
+                  device: torch.device, world_size: int, checkpoint: Path) -> None:
+    """The summary after `---`, autoresearch-style (key: value lines). trained / final: the clock's status
+    when training stopped / when the checkpoint was on disk."""
+    timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:] or step_times  # the start-up steps compile and warm up
+    tok_per_sec = recipe.total_batch_size * len(timed) / sum(timed)
+    mfu = 100 * model.flops_per_token() * tok_per_sec / (profile.peak_flops * world_size)
+    median_step = clock.median_step_seconds()
     summary = []
     if result is not None:
         summary += [("val_bpb", f"{result['val_bpb']:.6f}"), ("eval_tokens", result["tokens"]),
@@ -1833,11 +1846,11 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
     # Where the organisers' summary names a figure differently, both names are printed (their job runners
     # parse charged_seconds_est and startup_allowance_est).
     summary += [
-        ("train_loss", f"{train_loss:.6f}"),
-        ("training_seconds", f"{training_status['charged_seconds']:.1f}"),
+        ("train_loss", f"{run.train_loss:.6f}"),
+        ("training_seconds", f"{trained['charged_seconds']:.1f}"),
         ("charged_seconds", f"{final['charged_seconds']:.1f}"),
         ("charged_seconds_est", f"{final['charged_seconds']:.1f}"),
-        ("budget_seconds", f"{hp.time_budget:.0f}"),
+        ("budget_seconds", f"{recipe.time_budget:.0f}"),
         ("over_budget", final["over_budget"]),
         ("startup_seconds", f"{final['startup_allowance_seconds']:.1f}"),
         ("startup_allowance_est", f"{final['startup_allowance_seconds']:.1f}"),
@@ -1849,14 +1862,10 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
         ("mfu_percent", f"{mfu:.2f}"),
         ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
         ("peak_source", f"{profile.peak_source} (per rank; MFU's denominator)"),
-    ]
-    comm_seconds = getattr(optimizer, "comm_seconds", None)  # set by an optimizer that communicates itself
-    if comm_seconds is not None:
-        summary.append(("comm_seconds_per_step", f"{comm_seconds / len(step_times):.4f}"))
-    summary += [
+        ("comm_seconds_per_step", f"{optimizer.transport.comm_seconds / len(step_times):.4f}"),
         ("peak_memory_mb", f"{peak_memory_mb(device):.1f}"),
         ("num_params_M", f"{model.num_params() / 1e6:.1f}"),
-        ("depth", config.n_layer),
+        ("depth", model.config.n_layer),
         ("device", f"{device.type} x {world_size}"),
         ("compute_dtype", str(profile.compute_dtype or torch.float32).replace("torch.", "")),
         ("checkpoint", checkpoint),
@@ -1864,12 +1873,20 @@ def train(hp: Hyperparameters, profile: DeviceProfile, device: torch.device, ran
     print("---")
     for key, value in summary:
         print(f"{key + ':':<23}{value}")
-    return 0
+
+
+def is_input_error(e: BaseException) -> bool:
+    """A problem with the input or the set-up whose message names the cause and the fix: a ValueError
+    (checkpoints, batch geometry, resume), a diverged run, or the harness's own errors (the kit's
+    HarnessError family; recognised by name, so that train.py imports nothing more from prepare.py)."""
+    return isinstance(e, (ValueError, TrainingDiverged)) or any(c.__name__ == "HarnessError" for c in type(e).__mro__)
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (HarnessError, TrainingDiverged, ValueError) as e:
+    except Exception as e:
+        if not is_input_error(e):
+            raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

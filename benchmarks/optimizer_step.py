@@ -12,6 +12,7 @@ gradients (nothing overlaps it: there is no backward), the update and, sharded, 
 the weights; the replicated optimizer at the same N is the baseline. State is the optimizer's
 tensors (momentum, second moments, step counts) on each rank; buffers are its communication buffers."""
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,24 +25,22 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import train as T  # noqa: E402
+from tools.plan import random_batches  # noqa: E402
 
 
-def new_model(hp: T.Hyperparameters, profile: T.DeviceProfile, device: torch.device) -> T.GPT:
+def new_model(recipe: T.Recipe, device: torch.device) -> T.GPT:
     torch.manual_seed(0)
-    model = T.GPT(T.model_config(hp)).to(device)
-    model.init_weights()
-    model.compute_dtype = profile.compute_dtype
-    return model
+    return T.build_model(T.model_config(recipe), device, recipe.dtype)
 
 
-def time_training(hp: T.Hyperparameters, device_type: str, steps: int, warmup: int) -> dict:
+def time_training(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int, warmup: int) -> dict:
     """Tokens/s of train_step, and the share of it spent in optimizer.step()."""
-    profile = T.device_profile(device_type, hp.dtype)
+    profile = T.device_profile(device_type, recipe.dtype)
     device = torch.device(device_type)
-    model = new_model(hp, profile, device)
-    optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if hp.compile else model
-    accum = hp.total_batch_size // (hp.device_batch_size * hp.seq_len)
+    model = new_model(recipe, device)
+    optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
+    accum = recipe.total_batch_size // (recipe.device_batch_size * recipe.seq_len)
     in_optimizer = []
 
     def start(*_):
@@ -55,34 +54,29 @@ def time_training(hp: T.Hyperparameters, device_type: str, steps: int, warmup: i
     optimizer.register_step_pre_hook(start)
     optimizer.register_step_post_hook(stop)
 
-    def batches():
-        while True:
-            x = torch.randint(0, 8183, (hp.device_batch_size, hp.seq_len + 1), device=device)
-            yield x[:, :-1], x[:, 1:], {}
-
-    data = batches()
+    data = random_batches(recipe.device_batch_size, recipe.seq_len, device)
     t0 = time.perf_counter()
     for _ in range(warmup):
-        T.apply_schedules(optimizer, 0.1, hp)
+        T.apply_schedules(optimizer, 0.1, recipe)
         T.train_step(step_model, optimizer, data, accum, 1)
     T.synchronize(device)
     warm = time.perf_counter() - t0
     in_optimizer.clear()
     t0 = time.perf_counter()
     for k in range(steps):
-        T.apply_schedules(optimizer, 0.1 + 0.8 * k / steps, hp)  # a new value every step, as in training
+        T.apply_schedules(optimizer, 0.1 + 0.8 * k / steps, recipe)  # a new value every step, as in training
         T.train_step(step_model, optimizer, data, accum, 1)
     T.synchronize(device)
     step_s = (time.perf_counter() - t0) / steps
-    return {"warmup_s": warm, "step_s": step_s, "tokens_per_second": hp.total_batch_size / step_s,
+    return {"warmup_s": warm, "step_s": step_s, "tokens_per_second": recipe.total_batch_size / step_s,
             "optimizer_s": sum(in_optimizer) / steps, "optimizer_share": sum(in_optimizer) / steps / step_s}
 
 
-def compare_compile(hp: T.Hyperparameters, device_type: str, steps: int, warmup: int) -> None:
+def compare_compile(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int, warmup: int) -> None:
     rows = {}
     for mode in ("off", "on"):
-        hp.compile_optimizer = mode
-        rows[mode] = time_training(hp, device_type, steps, warmup)
+        rows[mode] = time_training(recipe, dataclasses.replace(options, compile_optimizer=mode), device_type, steps,
+                                   warmup)
     base = rows["off"]
     for mode, label in (("off", "eager"), ("on", "compiled")):
         r = rows[mode]
@@ -92,37 +86,37 @@ def compare_compile(hp: T.Hyperparameters, device_type: str, steps: int, warmup:
               f"warm-up {r['warmup_s']:.0f}s")
 
 
-def shard_worker(hp: T.Hyperparameters, steps: int, warmup: int, out: str) -> None:
+def shard_worker(recipe: T.Recipe, options: T.RunOptions, steps: int, warmup: int, out: str) -> None:
     """Under torchrun: optimizer.step() on random gradients, replicated then sharded; each rank writes JSON."""
-    profile = T.device_profile("cpu", hp.dtype)
+    profile = T.device_profile("cpu", recipe.dtype)
     device, rank, world_size = T.init_distributed(profile)
-    model = new_model(hp, profile, device)
+    model = new_model(recipe, device)
     rows = {}
     for mode in ("off", "on"):
-        hp.shard_optimizer = mode
-        optimizer = T.build_optimizer(model, hp, ns_dtype=profile.compute_dtype, compile_backend=profile.compile_backend)
+        optimizer = T.build_optimizer(model, recipe, dataclasses.replace(options, shard_optimizer=mode),
+                                      profile.compute_dtype, profile.compile_backend)
         torch.manual_seed(rank)
         grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
         times = []
         for k in range(warmup + steps):
             for p, g in zip(model.parameters(), grads):
                 p.grad = g.clone()
-            T.apply_schedules(optimizer, 0.5, hp)
+            T.apply_schedules(optimizer, 0.5, recipe)
             dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's wait
             t0 = time.perf_counter()
             optimizer.step()
             times.append(time.perf_counter() - t0)
             if k == warmup - 1:
-                optimizer.comm_seconds = 0.0
-        measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.comm_seconds / steps,
+                optimizer.transport.comm_seconds = 0.0
+        measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.transport.comm_seconds / steps,
                     "state_bytes": optimizer.state_bytes(),
-                    "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.buckets
+                    "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.transport.buckets
                                         for t in (b.flat, b.own) if t is not None)}
         rows[mode] = measured
-        optimizer.remove_hooks()
+        optimizer.transport.remove_hooks()
         model.zero_grad(set_to_none=True)
     # One file per rank, no collective after the optimizer's last: a gloo work whose tensors die in
-    # its own thread aborts a process at exit (see MuonAdamW._wait).
+    # its own thread aborts a process at exit (see GradientTransport._wait).
     with open(f"{out}.{rank}", "w") as f:
         json.dump(rows, f)
     dist.destroy_process_group()
@@ -159,16 +153,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
     args, train_flags = parser.parse_known_args()  # other flags go to train.py: --depth 6, --dtype fp32, ...
-    hp = T.parse_hyperparameters((["--preset", args.preset] if args.preset else []) + train_flags)
+    recipe, options, _ = T.parse_command_line((["--preset", args.preset] if args.preset else []) + train_flags)
     if args.what == "shard-worker":
-        return shard_worker(hp, args.steps, args.warmup, args.out)
+        return shard_worker(recipe, options, args.steps, args.warmup, args.out)
     with torch.device("meta"):
-        params_m = T.GPT(T.model_config(hp)).num_params() / 1e6
+        params_m = T.GPT(T.model_config(recipe)).num_params() / 1e6
     device_type = args.device or T.detect_device_type()
-    print(f"config: preset={args.preset} depth={hp.depth} width={T.model_config(hp).n_embd} params={params_m:.1f}M "
-          f"batch={hp.total_batch_size} compile={hp.compile} dtype={hp.dtype} threads={torch.get_num_threads()}")
+    print(f"config: preset={args.preset} depth={recipe.depth} width={T.model_config(recipe).n_embd} "
+          f"params={params_m:.1f}M batch={recipe.total_batch_size} compile={options.compile} dtype={recipe.dtype} "
+          f"threads={torch.get_num_threads()}")
     if args.what == "compile":
-        compare_compile(hp, device_type, args.steps, args.warmup)
+        compare_compile(recipe, options, device_type, args.steps, args.warmup)
     else:
         worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup),
                        *(["--preset", args.preset] if args.preset else []), *train_flags]

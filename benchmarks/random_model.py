@@ -13,8 +13,7 @@ def save_random_checkpoint(preset: str = "cpu", random_projections: bool = False
     """Save a `preset` model straight from init_weights and return its path. init_weights zeroes the
     blocks' output projections; `random_projections` gives them random values, so attention and the
     MLPs count when two scorers' losses are compared."""
-    model = T.GPT(T.model_config(T.parse_hyperparameters(["--preset", preset])))
-    model.init_weights()
+    model = T.build_model(T.model_config(T.parse_command_line(["--preset", preset])[0]))
     if random_projections:
         with torch.no_grad():
             for block in model.blocks:

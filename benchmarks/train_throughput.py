@@ -13,6 +13,7 @@ included), the allocator's peak on a GPU. --compare-loss runs the plain and the 
 (train.py --no-chunked-loss / --chunked-loss), each dtype and loss in a process of its own. CPU-s is
 the processor time the process used per step: on a shared machine it moves less than the wall time."""
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,11 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import train as T  # noqa: E402
+from tools.plan import measure_training_throughput  # noqa: E402
 
 
-def run(hp: T.Hyperparameters, device_type: str, dtype: str, steps: int, warmup: int) -> dict:
+def run(recipe: T.Recipe, options: T.RunOptions, device_type: str, dtype: str, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
-    return T.measure_training_throughput(hp, device_type, dtype, steps, warmup)
+    return measure_training_throughput(dataclasses.replace(recipe, dtype=dtype), options, device_type, steps, warmup)
 
 
 def main():
@@ -45,15 +47,16 @@ def main():
             for loss in ("--no-chunked-loss", "--chunked-loss"):
                 subprocess.run([sys.executable, __file__, *flags, "--dtypes", dtype, loss], check=True)
         return
-    hp = T.parse_hyperparameters((["--preset", args.preset] if args.preset else []) + train_flags)
+    recipe, options, _ = T.parse_command_line((["--preset", args.preset] if args.preset else []) + train_flags)
     if args.compile is not None:
-        hp.compile = args.compile
+        options.compile = args.compile
     device_type = args.device or T.detect_device_type()
-    print(f"config: preset={args.preset} depth={hp.depth} width={T.model_config(hp).n_embd} seq_len={hp.seq_len} "
-          f"batch={hp.total_batch_size} compile={hp.compile} device={device_type} threads={torch.get_num_threads()}")
+    print(f"config: preset={args.preset} depth={recipe.depth} width={T.model_config(recipe).n_embd} "
+          f"seq_len={recipe.seq_len} batch={recipe.total_batch_size} compile={options.compile} device={device_type} "
+          f"threads={torch.get_num_threads()}")
     for dtype in args.dtypes.split(","):
-        r = run(hp, device_type, dtype, args.steps, args.warmup)
-        loss = "chunked" if hp.chunked_loss else "plain"
+        r = run(recipe, options, device_type, dtype, args.steps, args.warmup)
+        loss = "chunked" if options.chunked_loss else "plain"
         print(f"{r['dtype']:>8} {loss:>7} loss: {r['tokens_per_second']:>10,.0f} tokens/s | {r['step_s'] * 1000:7.0f} "
               f"ms/step ({r['cpu_step_s']:.1f} CPU-s) | {r['achieved_tflops']:.3f} TFLOP/s of {r['peak_tflops']:.3f} "
               f"peak ({r['peak_source']}) | MFU {r['mfu_percent']:.1f}% | peak memory {r['peak_memory_mb']:,.0f} MB | "

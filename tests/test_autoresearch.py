@@ -74,8 +74,9 @@ def test_keep_discard_crash_and_timeout(kit_repo, text_dataset):
     broken = edit_and_commit(kit_repo, {"def main(argv=None) -> int:": "def main(argv=None) -> int\n"}, "syntax error")
     result = run_loop(kit_repo, text_dataset, "--timeout", "120")
     assert result.returncode == 0 and "CRASH" in result.stdout and "SyntaxError" in result.stdout
-    slow = edit_and_commit(kit_repo, {"    hp, options, notes = parse_command_line(argv)\n":
-                                      "    hp, options, notes = parse_command_line(argv)\n    time.sleep(120)\n"}, "hangs")
+    slow = edit_and_commit(kit_repo, {"    recipe, options, notes = parse_command_line(argv)\n":
+                                      "    recipe, options, notes = parse_command_line(argv)\n    time.sleep(120)\n"},
+                           "hangs")
     result = run_loop(kit_repo, text_dataset, "--timeout", "10")
     assert result.returncode == 0 and "timeout: killed after 10s" in result.stdout
     assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better

@@ -17,17 +17,16 @@ from helpers import REPO, run_prepare, shipped_tokenizer
 VOCAB = 512
 
 
-def tiny_gpt(compute_dtype=None, seed=0) -> T.GPT:
+def tiny_gpt(dtype="fp32", seed=0) -> T.GPT:
     """A 2-layer GPT whose every weight matters: init_weights zeroes the output projections (each
     block starts as the identity), so all weights are perturbed, and the x0 mix is made uneven."""
     torch.manual_seed(seed)
-    model = T.GPT(T.GPTConfig(sequence_len=128, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=64))
-    model.init_weights()
+    config = T.GPTConfig(sequence_len=128, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=64)
+    model = T.build_model(config, dtype=dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
         model.lm_head.weight.mul_(10)  # logits spread as a trained model's (std ~4)
-    model.compute_dtype = compute_dtype
     return model.eval().requires_grad_(False)
 
 
@@ -79,7 +78,7 @@ def test_prefix_groups_pack_the_choices_of_each_example():
 
 # --- equality with the plain scorer ----------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_prefix_cached_scores_equal_the_plain_scorer(dtype, monkeypatch, capsys):
     monkeypatch.setattr(I, "MAX_BATCH_TOKENS", 1024)  # several batches,
     monkeypatch.setattr(I, "STATIC_ROW_DEVICES", ("cpu",))  # and a last one padded with rows, as on Neuron
@@ -91,7 +90,7 @@ def test_prefix_cached_scores_equal_the_plain_scorer(dtype, monkeypatch, capsys)
     assert sum(len(m) > 1 for _, m in groups) >= 10 and any(s >= 80 for s, m in groups if len(m) > 1)
     expected, got = plain.score(sequences), cached.score(sequences)
     assert cached.tokens_run < 0.6 * plain.tokens_run  # the prefixes really were computed once
-    tolerance, near_tie = (1e-5, 1e-4) if dtype is None else (0.02, 0.05)
+    tolerance, near_tie = (1e-5, 1e-4) if dtype == "fp32" else (0.02, 0.05)
     compared = 0
     for (losses, greedy), (want_losses, want_greedy), margin, seq in zip(got, expected, top2_margins(model, sequences),
                                                                           sequences):
@@ -119,7 +118,8 @@ def test_a_model_without_the_pieces_is_scored_in_full(capsys):
     torch.manual_seed(0)
     scorer = I.Scorer(Bigram().eval(), torch.device("cpu"))
     err = capsys.readouterr().err
-    assert not scorer.prefix_cache and err.count("prefix cache off") == 1 and "the model has no wte, blocks" in err
+    assert not scorer.prefix_cache and err.count("prefix cache off") == 1
+    assert "the model's forward takes no positions or attn_mask" in err
     sequences = core_like_sequences(examples=3)
     for (a, g), (b, h) in zip(scorer.score(sequences), scorer.score_plain(sequences)):
         assert torch.equal(a, b) and torch.equal(g, h)
@@ -127,19 +127,20 @@ def test_a_model_without_the_pieces_is_scored_in_full(capsys):
 
 
 def test_a_changed_forward_turns_the_cache_off(capsys):
-    """A model whose forward is no longer the one packed_forward reproduces (here: a logit bias by
-    position in the row, as an absolute position embedding adds) is caught by the load-time probe
-    and scored in full."""
+    """A model whose forward takes positions and a mask but does not honour them (here: a logit bias by
+    index in the row, as an absolute position embedding that ignores `positions` adds) is caught by the
+    load-time probe and scored in full."""
     class Shifted(T.GPT):
-        def forward(self, idx, targets=None):
-            logits = super().forward(idx)
+        def forward(self, idx, targets=None, positions=None, attn_mask=None):
+            logits = super().forward(idx, positions=positions, attn_mask=attn_mask)
             return logits + 0.1 * torch.arange(idx.shape[1])[:, None] * torch.linspace(-1, 1, logits.shape[-1])
 
     model = tiny_gpt()
     changed = Shifted(model.config)
     changed.load_state_dict(model.state_dict())
     scorer = I.Scorer(changed.eval(), torch.device("cpu"))
-    assert not scorer.prefix_cache and "differ from model(x)'s" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert not scorer.prefix_cache and "differ from model(x)'s" in err and "does not honour positions" in err
     assert I.Scorer(model, torch.device("cpu")).prefix_cache  # the same weights in the kit's GPT: on
 
 

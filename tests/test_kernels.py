@@ -94,9 +94,9 @@ def test_train_py_routes_ops_only_for_neuron_tensors(monkeypatch):
     x = torch.randn(4, 8)
     assert torch.equal(T.norm(x), F.rms_norm(x, (8,)))  # a CPU tensor takes the eager path
     assert calls == []
-    hp = T.Hyperparameters(nki_rmsnorm=True, nki_softcap_ce=True, nki_rope_qknorm=True, nki_relu2=True)
+    options = T.RunOptions(nki_rmsnorm=True, nki_softcap_ce=True, nki_rope_qknorm=True, nki_relu2=True)
     monkeypatch.setattr(T, "KERNELS", {})
-    T.enable_kernels(hp)
+    T.enable_kernels(options)
     assert set(T.KERNELS) == {"relu2", "rmsnorm", "rope_qknorm", "softcap_ce"}
     assert T.KERNELS["softcap_ce"] is softcap_ce.softcap_cross_entropy
 
@@ -280,8 +280,9 @@ def kit(request, monkeypatch):
         the_kit, mods = request.getfixturevalue("emulated_kit")
         for name, mod in mods.items():
             monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(the_kit.common, "KERNEL_DEVICE", "cpu")
+    monkeypatch.setattr(the_kit.common, "KERNEL_DEVICE", "cpu")  # (train.py's relu2 op is called directly)
     monkeypatch.setattr(the_kit.common, "_NOTICES", set())
+    monkeypatch.setattr(the_kit.train, "NKI_NOTICES", set())
     return the_kit
 
 
@@ -365,26 +366,44 @@ def test_a_kernel_without_the_row_split_is_caught_on_two_cores(kit, monkeypatch)
 
 
 def test_setup_kernels_stops_clearly_when_a_kernel_cannot_run(kit, monkeypatch):
-    hp = T.Hyperparameters(nki_relu2=True, nki_softcap_ce=True)
+    options = T.RunOptions(nki_relu2=True, nki_softcap_ce=True)
     monkeypatch.setattr(kit.train, "KERNELS", {})
     with pytest.raises(SystemExit, match="--nki-relu2 --nki-softcap-ce run NKI kernels, which need the neuron device"):
-        kit.train.setup_kernels(hp, "cpu")
+        kit.train.setup_kernels(options, "cpu")
     with pytest.raises(SystemExit, match="--compile with --nki-relu2 --nki-softcap-ce: .* Drop --compile"):
-        kit.train.setup_kernels(T.Hyperparameters(nki_relu2=True, nki_softcap_ce=True, compile=True), "neuron")
+        kit.train.setup_kernels(T.RunOptions(nki_relu2=True, nki_softcap_ce=True, compile=True), "neuron")
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     with pytest.raises(SystemExit, match="NEURON_LOGICAL_NC_CONFIG is None"):
-        kit.train.setup_kernels(hp, "neuron")
+        kit.train.setup_kernels(options, "neuron")
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
     monkeypatch.setattr(kit.common, "installed_nki_version", lambda: "0.3.0")
     with pytest.raises(SystemExit, match="nki 0.3.0 is installed"):
-        kit.train.setup_kernels(hp, "neuron")
+        kit.train.setup_kernels(options, "neuron")
     with pytest.raises(RuntimeError, match="nki 0.3.0 is installed"):
         kit.rmsnorm.rms_norm(torch.randn(256, 64))
     assert kit.train.KERNELS == {}
     monkeypatch.setattr(kit.common, "installed_nki_version", lambda: "0.4.0")
-    kit.train.setup_kernels(hp, "neuron")
+    kit.train.setup_kernels(options, "neuron")
     assert set(kit.train.KERNELS) == {"relu2", "softcap_ce"}
-    kit.train.setup_kernels(T.Hyperparameters(), "cpu")  # no flag: nothing to check
+    kit.train.setup_kernels(T.RunOptions(), "cpu")  # no flag: nothing to check
+
+
+def test_the_inline_relu2_kernel_needs_nothing_from_kernels(kit, monkeypatch):
+    """train.py's kernel stands alone, as the template it is: with kernels/ unimportable (a train.py
+    copied into the organisers' kit), --nki-relu2 sets up and the kernel pair runs."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "kernels"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "kernels", None)  # `import kernels...` now raises ImportError
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setattr(kit.train, "KERNELS", {})
+    kit.train.setup_kernels(T.RunOptions(nki_relu2=True), "neuron")
+    assert set(kit.train.KERNELS) == {"relu2"}
+    before = launches()
+    check(kit, "relu2", (2, 128, 48), torch.float32, "cpu")
+    if REAL_NKI is None:
+        assert [r["grid"] for r in nki_emulator.LAUNCHES[before:]] == [2, 2]
+    with pytest.raises(ImportError):
+        kit.train.setup_kernels(T.RunOptions(nki_relu2=True, nki_rmsnorm=True), "neuron")
 
 
 def test_the_chunked_training_loss_runs_the_softcap_ce_kernels_per_chunk(kit, monkeypatch, capsys):
@@ -437,6 +456,7 @@ DEVICE_SHAPES = [  # the baseline's shapes, at the default width (640) and vocab
 def test_kernels_match_their_references_on_trainium(monkeypatch, capsys, op, shape, takes, dtype):
     grid = common.logical_core_count()  # fixed for the process: run once per NEURON_LOGICAL_NC_CONFIG
     monkeypatch.setattr(common, "_NOTICES", set())
+    monkeypatch.setattr(T, "NKI_NOTICES", set())
     device_kit = types.SimpleNamespace(common=common, rmsnorm=rmsnorm, softcap_ce=softcap_ce, rope_qknorm=rope_qknorm,
                                        train=T)
     check(device_kit, op, shape, dtype, "neuron")

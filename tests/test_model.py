@@ -23,11 +23,10 @@ def plain_loss(h, weight, targets, cap):
     return F.cross_entropy(cap * torch.tanh((h @ weight.T).float() / cap), targets)
 
 
-def tiny_gpt(argv=(), vocab=VOCAB) -> T.GPT:
+def tiny_gpt(argv=(), vocab=VOCAB, dtype="fp32") -> T.GPT:
     """A GPT whose blocks all carry gradient (init_weights starts them at the identity)."""
     torch.manual_seed(0)
-    model = T.GPT(T.model_config(T.parse_hyperparameters([*TINY, *argv]), vocab_size=vocab))
-    model.init_weights()
+    model = T.build_model(T.model_config(T.parse_command_line([*TINY, *argv])[0], vocab_size=vocab), dtype=dtype)
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.05)
         for block in model.blocks:
@@ -78,8 +77,7 @@ def test_chunked_loss_equals_the_plain_path_on_the_gpt_in_fp32(monkeypatch):
 
 def test_chunked_loss_in_bf16_matches_the_plain_path_to_bf16_rounding(monkeypatch):
     monkeypatch.setattr(T, "LOSS_CHUNKS", 5)
-    model = tiny_gpt()
-    model.compute_dtype = torch.bfloat16
+    model = tiny_gpt(dtype="bf16")
     idx = torch.randint(0, VOCAB, (3, 25), generator=torch.Generator().manual_seed(2))
     plain, plain_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=False)
     chunked, chunked_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=True)
@@ -137,8 +135,10 @@ def test_chunked_loss_without_gradients(monkeypatch):
 def test_gpu_preset_compiles_the_model_and_the_compiled_loss_equals_eager(monkeypatch):
     """The gpu preset's code path (torch.compile with the device's backend) on CPU, shapes shrunk."""
     monkeypatch.setattr(T, "LOSS_CHUNKS", 3)  # 2 x 24 rows: slices of 16
-    hp = T.parse_hyperparameters(["--preset", "gpu", *TINY, "--device-batch-size", "2", "--total-batch-size", "48"])
-    assert hp.compile and hp.chunked_loss and hp.total_batch_size % (hp.device_batch_size * hp.seq_len) == 0
+    recipe, options, _ = T.parse_command_line(["--preset", "gpu", *TINY, "--device-batch-size", "2",
+                                               "--total-batch-size", "48"])
+    assert options.compile and options.chunked_loss
+    assert recipe.total_batch_size % (recipe.device_batch_size * recipe.seq_len) == 0
     profile = T.device_profile("cpu", "fp32")
     model = tiny_gpt()
     compiled = torch.compile(model, backend=profile.compile_backend, dynamic=False)  # as train() does

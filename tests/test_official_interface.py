@@ -31,19 +31,21 @@ def no_official_environment(monkeypatch):
 
 
 def test_official_flag_names_set_the_same_hyperparameters():
-    hp = T.parse_hyperparameters(["--num-steps", "7", "--max-train-seconds", "99", "--device-type", "cpu",
-                                  "--no-eval-public", "--eval-tokens", "4096", "--compile", "--nki-relu2",
-                                  "--out-dir", "elsewhere"])
-    assert (hp.max_steps, hp.time_budget, hp.device, hp.eval_public, hp.eval_tokens) == (7, 99.0, "cpu", False, 4096)
-    assert hp.compile and hp.nki_relu2 and hp.out_dir == "elsewhere"
-    ours = T.parse_hyperparameters(["--max-steps", "7", "--time-budget", "99", "--device", "cpu", "--no-eval-public",
-                                    "--eval-tokens", "4096", "--compile", "--nki-relu2", "--out-dir", "elsewhere"])
-    assert hp == ours
+    theirs = T.parse_command_line(["--num-steps", "7", "--max-train-seconds", "99", "--device-type", "cpu",
+                                   "--no-eval-public", "--eval-tokens", "4096", "--compile", "--nki-relu2",
+                                   "--out-dir", "elsewhere"])
+    recipe, options, _ = theirs
+    assert (recipe.max_steps, recipe.time_budget, options.device) == (7, 99.0, "cpu")
+    assert (options.eval_public, options.eval_tokens) == (False, 4096)
+    assert options.compile and options.nki_relu2 and options.out_dir == "elsewhere"
+    ours = T.parse_command_line(["--max-steps", "7", "--time-budget", "99", "--device", "cpu", "--no-eval-public",
+                                 "--eval-tokens", "4096", "--compile", "--nki-relu2", "--out-dir", "elsewhere"])
+    assert theirs == ours
 
 
 def test_defaults_participants_rely_on():
-    hp = T.Hyperparameters()
-    assert hp.eval_tokens == 2_097_152 == 4 * 524_288 and hp.eval_public and hp.out_dir == "out"
+    options = T.RunOptions()
+    assert options.eval_tokens == 2_097_152 == 4 * 524_288 and options.eval_public and options.out_dir == "out"
 
 
 def test_the_harness_environment_sets_the_output_and_the_evaluation(monkeypatch):
@@ -52,12 +54,22 @@ def test_the_harness_environment_sets_the_output_and_the_evaluation(monkeypatch)
     monkeypatch.setenv("NEURON_COMPETITION_R1_OUT_DIR", "runs/7")
     monkeypatch.setenv("NEURON_COMPETITION_R1_EVAL_PUBLIC", "0")
     monkeypatch.setenv("FRONTIER_EVAL_TOKENS", "8192")
-    hp, _, notes = T.parse_command_line([])
-    assert (hp.out_dir, hp.eval_public, hp.eval_tokens) == ("runs/7", False, 8192)
+    _, options, notes = T.parse_command_line([])
+    assert (options.out_dir, options.eval_public, options.eval_tokens) == ("runs/7", False, 8192)
     assert "NEURON_COMPETITION_R1_OUT_DIR=runs/7 sets --out-dir" in notes
     assert "FRONTIER_EVAL_TOKENS=8192 sets --eval-tokens" in notes
-    hp = T.parse_hyperparameters(["--out-dir", "mine", "--eval-public", "--eval-tokens", "0"])
-    assert (hp.out_dir, hp.eval_public, hp.eval_tokens) == ("mine", True, 0)
+    options = T.parse_command_line(["--out-dir", "mine", "--eval-public", "--eval-tokens", "0"])[1]
+    assert (options.out_dir, options.eval_public, options.eval_tokens) == ("mine", True, 0)
+
+
+def test_the_kits_and_the_organisers_names_of_a_setting_must_agree(monkeypatch, capsys):
+    monkeypatch.setenv("NEURON_COMPETITION_R1_OUT_DIR", "runs/7")
+    monkeypatch.setenv("FRONTIER_OUT_DIR", "runs/7")
+    assert T.parse_command_line([])[1].out_dir == "runs/7"  # both set, the same: fine
+    monkeypatch.setenv("FRONTIER_OUT_DIR", "runs/8")
+    with pytest.raises(SystemExit) as e:
+        T.parse_command_line([])
+    assert e.value.code == 2 and "disagree" in capsys.readouterr().err
 
 
 def test_official_environment_variables_and_the_command_line_wins(monkeypatch):
@@ -65,14 +77,15 @@ def test_official_environment_variables_and_the_command_line_wins(monkeypatch):
     monkeypatch.setenv("NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS", "600.5")
     monkeypatch.setenv("NEURON_COMPETITION_R1_COMPILE", "1")
     monkeypatch.setenv("NEURON_COMPETITION_R1_NKI_RELU2", "true")
-    hp, _, notes = T.parse_command_line([])
-    assert (hp.max_steps, hp.time_budget, hp.compile, hp.nki_relu2) == (12, 600.5, True, True)
+    recipe, options, notes = T.parse_command_line([])
+    assert (recipe.max_steps, recipe.time_budget, options.compile, options.nki_relu2) == (12, 600.5, True, True)
     assert "NEURON_COMPETITION_R1_NUM_STEPS=12 sets --max-steps" in notes
-    hp, _, notes = T.parse_command_line(["--num-steps", "3", "--time-budget", "60", "--no-compile", "--no-nki-relu2"])
-    assert (hp.max_steps, hp.time_budget, hp.compile, hp.nki_relu2) == (3, 60.0, False, False)
+    recipe, options, notes = T.parse_command_line(["--num-steps", "3", "--time-budget", "60", "--no-compile",
+                                                   "--no-nki-relu2"])
+    assert (recipe.max_steps, recipe.time_budget, options.compile, options.nki_relu2) == (3, 60.0, False, False)
     assert all(n.endswith("(overridden by the command line)") for n in notes) and len(notes) == 4
     monkeypatch.setenv("NEURON_COMPETITION_R1_COMPILE", "off")
-    assert T.parse_hyperparameters(["--preset", "cpu"]).compile is False  # the environment beats the preset
+    assert T.parse_command_line(["--preset", "cpu"])[1].compile is False  # the environment beats the preset
 
 
 @pytest.mark.parametrize("var, value", [("NEURON_COMPETITION_R1_NUM_STEPS", "ten"),
@@ -81,7 +94,7 @@ def test_official_environment_variables_and_the_command_line_wins(monkeypatch):
 def test_bad_environment_value_is_a_clear_error(monkeypatch, capsys, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(SystemExit) as e:
-        T.parse_hyperparameters([])
+        T.parse_command_line([])
     assert e.value.code == 2 and f"{var}={value!r} is not" in capsys.readouterr().err
 
 
@@ -128,6 +141,7 @@ def test_official_environment_changes_the_run(tmp_path, text_dataset):
     assert model_compiles == [{"backend": "inductor", "dynamic": False}]
     assert math.isfinite(float(s["val_bpb"])) and int(s["eval_tokens"]) <= 2048
     assert [c["max_tokens"] for c in record["evaluate_bpb"]] == [2048]
+    assert record["ledger_last_step"] == 2  # the harness's ledger took steps 0, 1, 2 (it refuses any other order)
     assert "environment: NEURON_COMPETITION_R1_NUM_STEPS=3 sets --max-steps" in result.stdout
     assert (tmp_path / "a" / "final.pt").exists()
 
@@ -185,3 +199,63 @@ def test_load_for_eval_reads_either_layout(tiny_checkpoint, tmp_path):
     torch.save({"weights": payload["model_state"]}, tmp_path / "unknown.pt")
     with pytest.raises(ValueError, match=r"has format None and keys \['weights'\]"):
         T.load_for_eval(str(tmp_path / "unknown.pt"), torch.device("cpu"))
+
+
+# The prepare.py names a train.py written for the organisers' kit may import (KIT.md section 3).
+ORGANISERS_NAMES = ("TOKENIZER_VOCAB_SIZE", "TRAIN_TIME_BUDGET_SECONDS", "TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS",
+                    "TRAIN_STARTUP_STEPS_EXCLUDED", "EVAL_TIMEOUT_SECONDS", "get_dist_info", "print0", "Tokenizer",
+                    "ensure_tokenizer", "get_token_bytes", "make_dataloader", "_row_groups_for_split",
+                    "_document_batches", "record_step_boundary", "evaluate_bpb", "causality_check")
+
+STAND_IN_PREPARE = '''"""A stand-in for the organisers' prepare.py: exactly the names their train.py files import, served by
+the kit's harness (whose folder comes after this one on sys.path, so `prepare` is this file)."""
+import sys
+sys.path.append({kit!r})
+from harness.common import get_dist_info, print0
+from harness.config import (EVAL_TIMEOUT_SECONDS, TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS,
+                            TRAIN_STARTUP_STEPS_EXCLUDED, TRAIN_TIME_BUDGET_SECONDS)
+from harness.ledger import record_step_boundary
+from harness.loader import _document_batches, _row_groups_for_split, make_dataloader
+from harness.metric import causality_check, evaluate_bpb
+from harness.tokenizer import Tokenizer, ensure_tokenizer, get_token_bytes
+del sys
+'''
+
+
+def test_train_py_imports_only_the_organisers_names_from_prepare():
+    import ast
+    tree = ast.parse((REPO / "train.py").read_text())
+    imported = [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "prepare"
+                for a in node.names]
+    assert imported and set(imported) <= set(ORGANISERS_NAMES), sorted(set(imported) - set(ORGANISERS_NAMES))
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Import)
+                and any(a.name in ("prepare", "harness") or a.name.startswith("harness.") for a in node.names)]
+
+
+def test_train_py_runs_under_a_prepare_py_with_only_the_organisers_names(tmp_path, text_dataset):
+    """train.py alone in a folder (no kernels/, no harness/ beside it) with a prepare.py that has only the
+    organisers' names: it trains a few steps, prints its own budget figures, writes out/final.pt where the
+    organisers' environment says, and its load_for_eval reads the checkpoint back."""
+    kit = tmp_path / "organisers_kit"
+    kit.mkdir()
+    (kit / "train.py").write_text((REPO / "train.py").read_text())
+    (kit / "prepare.py").write_text(STAND_IN_PREPARE.format(kit=str(REPO)))
+    out = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if k not in OFFICIAL_ENV and k != "PYTHONPATH"}
+    env.update(FRONTIER_DATA_DIR=str(text_dataset), NEURON_COMPETITION_R1_OUT_DIR=str(out),
+               NEURON_COMPETITION_R1_NUM_STEPS="7")
+    args = [a for a in TINY if a not in ("--eval-tokens", "4096")] + ["--eval-tokens", "2048", "--dtype", "fp32"]
+    run = subprocess.run([sys.executable, "train.py", *args], cwd=kit, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    s = summary(run.stdout)
+    assert s["num_steps"] == "7" and s["over_budget"] == "False" and math.isfinite(float(s["val_bpb"]))
+    assert float(s["charged_seconds_est"]) >= 0 and float(s["startup_allowance_est"]) > 0
+    assert float(s["median_step_seconds"]) > 0  # steps 5 and 6 came after the start-up's five
+    load = ("import sys, torch; sys.path.insert(0, '.'); import train; "
+            f"m = train.load_for_eval({str(out / 'final.pt')!r}, torch.device('cpu')); "
+            "print(tuple(m(torch.randint(0, 8000, (2, 16))).shape), not m.training)")
+    loaded = subprocess.run([sys.executable, "-c", load], cwd=kit, env=env, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == ["(2,", "16,", "8192)", "True"]
+    assert sorted(p.name for p in kit.iterdir() if p.name != "__pycache__") == ["prepare.py", "train.py"]

@@ -19,8 +19,7 @@ TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len",
 
 def tiny_model() -> T.GPT:
     torch.manual_seed(0)
-    model = T.GPT(T.model_config(T.parse_hyperparameters(TINY)))
-    model.init_weights()
+    model = T.build_model(T.model_config(T.parse_command_line(TINY)[0]), dtype="fp32")
     return model
 
 
@@ -39,14 +38,14 @@ def test_compiled_update_equals_eager_and_new_hyperparameters_do_not_recompile()
     models, optimizers = [], []
     for mode in ("off", "on"):
         models.append(tiny_model())
-        hp = T.parse_hyperparameters([*TINY, "--compile-optimizer", mode])
-        optimizers.append(T.build_optimizer(models[-1], hp, ns_dtype=None, compile_backend="inductor"))
+        recipe, options, _ = T.parse_command_line([*TINY, "--compile-optimizer", mode])
+        optimizers.append(T.build_optimizer(models[-1], recipe, options, ns_dtype=None, compile_backend="inductor"))
     eager, compiled = optimizers
     assert eager._muon_update is T.muon_update and compiled._muon_update is not T.muon_update
     for step in range(3):
         for model, optimizer in zip(models, optimizers):
             set_gradients(model, seed=step)
-            T.apply_schedules(optimizer, 0.1 + 0.35 * step, hp)  # new lr, momentum, weight decay every step
+            T.apply_schedules(optimizer, 0.1 + 0.35 * step, recipe)  # new lr, momentum, weight decay every step
             # The first step compiles (never falling back to eager); after it, new hyperparameter
             # values and step counts are data.
             with torch._dynamo.config.patch(error_on_recompile=step > 0, fail_on_recompile_limit_hit=True):
@@ -62,18 +61,18 @@ def test_compiled_update_equals_eager_and_new_hyperparameters_do_not_recompile()
 
 
 def test_state_dict_round_trip_restores_state_and_hyperparameters(tmp_path):
-    hp = T.parse_hyperparameters(TINY)
+    recipe = T.parse_command_line(TINY)[0]
     model = tiny_model()
-    optimizer = T.build_optimizer(model, hp, ns_dtype=None)
+    optimizer = T.build_optimizer(model, recipe, ns_dtype=None)
     for step in range(2):
         set_gradients(model, seed=step)
-        T.apply_schedules(optimizer, 0.2 + 0.3 * step, hp)
+        T.apply_schedules(optimizer, 0.2 + 0.3 * step, recipe)
         optimizer.step()
     torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
     resumed_model = copy.deepcopy(model)
-    resumed = T.build_optimizer(resumed_model, hp, ns_dtype=None)
+    resumed = T.build_optimizer(resumed_model, recipe, ns_dtype=None)
     resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
-    assert hyperparameters(resumed) == hyperparameters(optimizer) != hyperparameters(T.build_optimizer(tiny_model(), hp))
+    assert hyperparameters(resumed) == hyperparameters(optimizer) != hyperparameters(T.build_optimizer(tiny_model(), recipe))
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         for key, value in optimizer.state[p].items():
             assert torch.equal(value, resumed.state[q][key]), key
@@ -82,7 +81,7 @@ def test_state_dict_round_trip_restores_state_and_hyperparameters(tmp_path):
     assert resumed.param_groups[0]["lr"].item() == 1.5
     for m, opt in ((model, optimizer), (resumed_model, resumed)):
         set_gradients(m, seed=5)
-        T.apply_schedules(opt, 0.8, hp)
+        T.apply_schedules(opt, 0.8, recipe)
         opt.step()
     for (name, a), b in zip(model.state_dict().items(), resumed_model.state_dict().values()):
         assert torch.equal(a, b), name
@@ -95,9 +94,8 @@ def test_state_dict_round_trip_restores_state_and_hyperparameters(tmp_path):
 
 def test_bucket_layouts_cover_every_parameter_once_and_shard_evenly():
     with torch.device("meta"):
-        model = T.GPT(T.model_config(T.Hyperparameters()))  # the default d10: 60 block matrices
-    order = [model.lm_head.weight, *reversed(list(model.blocks.parameters())), model.resid_lambdas,
-             model.x0_lambdas, model.wte.weight]
+        model = T.GPT(T.model_config(T.Recipe()))  # the default d10: 60 block matrices
+    order = T.gradient_ready_order(model)
     whole = set(model.blocks.parameters())
     total = model.num_params()
     for parts in (1, 2, 4, 8, 64):
@@ -126,15 +124,48 @@ def test_bucket_layouts_cover_every_parameter_once_and_shard_evenly():
             assert len(buckets) == 1 and padding > T.SHARD_MAX_PADDING * total
 
 
+def test_the_ready_order_is_the_order_the_backward_completes_gradients():
+    """gradient_ready_order (from a forward on the meta device) against the order in which a real
+    backward's post-accumulate hooks fire, on a model where every parameter gets a gradient."""
+    model = tiny_model()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.c_proj.weight.normal_(0, 0.02)
+            block.attn.c_proj.weight.normal_(0, 0.02)
+    seen = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: seen.append(p)) for p in model.parameters()]
+    idx = torch.randint(0, 8000, (2, 16))
+    model(idx, idx).backward()
+    for hook in hooks:
+        hook.remove()
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert len(seen) == len(names)
+    assert [names[id(p)] for p in T.gradient_ready_order(model)] == [names[id(p)] for p in seen]
+
+
+def test_the_parameter_table_and_the_schedule_refuse_what_they_do_not_know():
+    model = tiny_model()
+    model.extra = torch.nn.Parameter(torch.zeros(3))  # a new parameter without a row in the table
+    with pytest.raises(ValueError, match=r"parameters \['extra'\] have no row in parameter_groups' table"):
+        T.build_optimizer(model, T.Recipe())
+    optimizer = T.build_optimizer(tiny_model(), T.Recipe())
+    kinds = [g["kind"] for g in optimizer.param_groups]
+    values = [{"lr": 0.1} for _ in kinds]
+    values[kinds.index("adamw")]["momentum"] = 0.9  # Muon's, not AdamW's
+    with pytest.raises(KeyError, match="schedules \\['lr', 'weight_decay'\\], not 'momentum'"):
+        optimizer.set_hyperparameters(values)
+
+
 def test_optimizer_flags_are_checked():
     model = tiny_model()
     for flag in ("--shard-optimizer", "--compile-optimizer"):
-        hp = T.parse_hyperparameters([*TINY, flag, "maybe"])
+        recipe, options, _ = T.parse_command_line([*TINY, flag, "maybe"])
         with pytest.raises(ValueError, match=f"{flag} must be on, off or auto, got 'maybe'"):
-            T.build_optimizer(model, hp)
-    auto = T.build_optimizer(model, T.parse_hyperparameters(TINY))
-    assert not auto.shard and auto._adamw_update is T.adamw_update  # one process; compiled only with --compile
-    assert T.build_optimizer(model, T.parse_hyperparameters([*TINY, "--compile"]))._adamw_update is not T.adamw_update
+            T.build_optimizer(model, recipe, options)
+    auto = T.build_optimizer(model, T.Recipe())
+    assert not auto.transport.shard  # one process
+    assert auto._adamw_update is T.adamw_update  # compiled only with --compile
+    assert T.build_optimizer(model, T.Recipe(), T.RunOptions(compile=True))._adamw_update is not T.adamw_update
     with pytest.raises(ValueError, match="train_step for 2 ranks got an optimizer built for 1"):
         T.train_step(model, auto, iter([]), 1, 2)
 

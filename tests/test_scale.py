@@ -1,7 +1,8 @@
-"""train.py at any scale: batch geometry, the budget planner and the Phase 2 preset, resumable runs,
+"""train.py at any scale: batch geometry, resumable runs,
 several servers (nothing assumes LOCAL_RANK == RANK) and the end-of-run evaluation on every rank."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,7 +22,7 @@ sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
 from test_train import run_train, summary  # noqa: E402
 
-DEFAULT = T.Hyperparameters()
+DEFAULT = T.Recipe()
 
 
 # --- batch geometry ------------------------------------------------------------------------------
@@ -63,102 +64,37 @@ def test_a_run_with_more_ranks_than_rows_adapts_instead_of_exiting(tmp_path, tex
     assert result.returncode == 1 and "no batch geometry" in result.stderr and "Traceback" not in result.stderr
 
 
-# --- the planner and the Phase 2 preset ----------------------------------------------------------
-
-def plan_output(capsys, *args) -> dict:
-    assert T.main(["--plan", *args]) == 0
-    return {k: v.strip() for k, v in (line.split(":", 1) for line in capsys.readouterr().out.splitlines())}
-
-
-def test_planner_for_phase1_and_phase2(capsys, monkeypatch):
-    """What the planner picks at its assumed MFU (22% of 79 TFLOP/s per NeuronCore), stated."""
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    phase1 = plan_output(capsys, "--ranks", "4", "--budget", "1800")  # one chip, 30 minutes
-    assert (phase1["depth"], phase1["width"], phase1["parameters_M"]) == ("9", "640", "54.7")
-    assert phase1["batch"] == "262,144 tokens = 8 x 2048 x 4 ranks x 4 accumulation"
-    assert (phase1["steps"], phase1["tokens_B"], phase1["tokens_per_parameter"]) == ("2,163", "0.57", "10.4")
-    phase2 = plan_output(capsys, "--ranks", "64", "--budget", "14400")  # 16 chips, 4 hours
-    assert (phase2["depth"], phase2["width"], phase2["parameters_M"]) == ("23", "1536", "676.3")
-    assert phase2["batch"] == "524,288 tokens = 4 x 2048 x 64 ranks x 1 accumulation"
-    assert (phase2["steps"], phase2["tokens_B"], phase2["tokens_per_parameter"]) == ("12,521", "6.56", "9.7")
-    assert phase2["command"].startswith("torchrun --standalone --nproc_per_node=64 train.py --depth 23 ")
-    # The same 16 chips at LNC=1 (128 ranks of one core) plan the same model.
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
-    lnc1 = plan_output(capsys, "--ranks", "128", "--budget", "14400")
-    assert (lnc1["depth"], lnc1["steps"]) == ("23", "12,521") and lnc1["batch"].startswith("524,288 tokens = 2 x")
-
-
-def test_the_default_model_would_overtrain_in_phase2():
-    """The issue's figure: at the same throughput, the depth-10 default sees ~1,100 tokens per parameter."""
-    with torch.device("meta"):
-        model = T.GPT(T.model_config(DEFAULT))
-    flops = T.PLAN_ASSUMED_MFU * T.NEURONCORE_BF16_FLOPS * 2 * 64
-    tokens_per_param = flops * 14400 / model.flops_per_token() / model.num_params()
-    assert 1050 < tokens_per_param < 1200
-
-
-def test_planner_rescales_a_measured_throughput(capsys):
-    """A figure measured with the depth-10 model on 4 ranks: FLOP/s per rank carry over to other depths."""
-    out = plan_output(capsys, "--ranks", "64", "--budget", "14400", "--tokens-per-second", "400000",
-                      "--measured-ranks", "4")
-    per_rank = 400000 / 4 * T.GPT(T.model_config(DEFAULT)).flops_per_token() / 1e12
-    assert out["throughput"].startswith(f"{per_rank:.1f} TFLOP/s per rank (measured 400,000 tokens/s")
-    assert int(out["depth"]) > 23  # faster than the assumed MFU: a bigger model fills the budget
-    assert 8 < float(out["tokens_per_parameter"]) < 14
-
-
-def test_planner_probe_measures_this_device(capsys):
-    tiny = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--total-batch-size", "512",
-            "--device-batch-size", "8"]
-    out = plan_output(capsys, *tiny, "--device", "cpu", "--probe", "--ranks", "2", "--budget", "600")
-    assert "probe:" in out["throughput"] and "MFU" in out["throughput"] and int(out["depth"]) >= 1
-    with pytest.raises(SystemExit, match="--probe measures on the device it plans for"):
-        T.main(["--plan", "--probe", "--device", "neuron"] if T.detect_device_type() != "neuron" else
-               ["--plan", "--probe", "--device", "cpu"])
-
-
-def test_phase2_preset_is_the_plan_for_16_chips_4_hours(monkeypatch):
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    hp = T.parse_hyperparameters(["--preset", "phase2"])
-    flops = T.PLAN_ASSUMED_MFU * T.device_profile("neuron").peak_flops * 64
-    plan = T.plan_run(hp, 64, hp.time_budget, flops)
-    assert (plan.hp.depth, plan.hp.total_batch_size) == (hp.depth, hp.total_batch_size)
-    assert hp.time_budget == 14400 and hp.save_every > 0
-    for world in (64, 128, 256):  # LNC=2, LNC=1, two servers at LNC=1
-        T.batch_geometry(hp.total_batch_size, hp.device_batch_size, hp.seq_len, world)
-
-
 # --- schedules and resumable runs -----------------------------------------------------------------
 
 def test_schedules_run_on_steps_when_a_step_count_is_given():
-    hp = T.Hyperparameters(max_steps=40)
-    assert T.training_progress(10, charged_seconds=999.0, training_seconds=100.0, hp=hp) == 0.25
-    assert T.training_progress(10, charged_seconds=25.0, training_seconds=100.0, hp=T.Hyperparameters()) == 0.25
-    assert T.training_progress(10, charged_seconds=250.0, training_seconds=100.0, hp=T.Hyperparameters()) == 1.0
+    recipe = T.Recipe(max_steps=40)
+    assert T.training_progress(10, charged_seconds=999.0, training_seconds=100.0, recipe=recipe) == 0.25
+    assert T.training_progress(10, charged_seconds=25.0, training_seconds=100.0, recipe=T.Recipe()) == 0.25
+    assert T.training_progress(10, charged_seconds=250.0, training_seconds=100.0, recipe=T.Recipe()) == 1.0
 
 
-def tiny_model_and_optimizer(hp, seed=0):
+def tiny_model_and_optimizer(recipe, seed=0):
     torch.manual_seed(seed)
-    model = T.GPT(T.model_config(hp))
-    model.init_weights()
-    optimizer = T.build_optimizer(model, hp, ns_dtype=None)
+    model = T.build_model(T.model_config(recipe), dtype="fp32")
+    optimizer = T.build_optimizer(model, recipe, ns_dtype=None)
     model(torch.randint(0, 8000, (2, 16)), torch.randint(0, 8000, (2, 16))).backward()
     optimizer.step()  # optimizer state exists
     return model, optimizer
 
 
 def test_snapshot_round_trip_and_refusals(tmp_path):
-    hp = T.parse_hyperparameters(TINY[:8] + ["--save-every", "60"])
-    geometry = T.batch_geometry(1024, 8, 128, 1)
-    model, optimizer = tiny_model_and_optimizer(hp)
+    recipe = T.parse_command_line(TINY[:8])[0]
+    geometry, clock = T.batch_geometry(1024, 8, 128, 1), T.BudgetClock()
+    model, optimizer = tiny_model_and_optimizer(recipe)
     state_dir = tmp_path / "state"
-    T.save_snapshot(state_dir, model, optimizer, T.RunState(step=7, tokens_seen=7168, smooth_loss=3.0), hp, geometry, 0)
-    T.save_snapshot(state_dir, model, optimizer, T.RunState(step=9, tokens_seen=9216, smooth_loss=2.0), hp, geometry, 0)
+    for step, tokens, loss in ((7, 7168, 3.0), (9, 9216, 2.0)):
+        run = T.RunState(step=step, tokens_seen=tokens, smooth_loss=loss)
+        T.save_snapshot(state_dir, model, optimizer, run, recipe, geometry, 0, clock)
     assert sorted(p.name for p in state_dir.iterdir()) == ["latest.json", "step_000009"]  # older ones go
 
-    fresh, fresh_optimizer = tiny_model_and_optimizer(hp, seed=1)
+    fresh, fresh_optimizer = tiny_model_and_optimizer(recipe, seed=1)
     assert not torch.equal(fresh.wte.weight, model.wte.weight)
-    run = T.load_snapshot(state_dir, fresh, fresh_optimizer, hp, geometry, 0)
+    run = T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, geometry, 0)
     assert (run.step, run.tokens_seen, run.smooth_loss) == (9, 9216, 2.0)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
@@ -169,22 +105,17 @@ def test_snapshot_round_trip_and_refusals(tmp_path):
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored[k][name])), (k, name)
 
     with pytest.raises(T.ResumeError, match=r"--matrix-lr 0.04 -> 0.05"):
-        T.load_snapshot(state_dir, fresh, fresh_optimizer, dict_replace(hp, matrix_lr=0.05), geometry, 0)
-    run_control = dict_replace(hp, out_dir="elsewhere", save_every=5.0, compile=True)  # these may change
-    T.load_snapshot(state_dir, fresh, fresh_optimizer, run_control, geometry, 0)
+        T.load_snapshot(state_dir, fresh, fresh_optimizer, dataclasses.replace(recipe, matrix_lr=0.05), geometry, 0)
+    # The snapshot records the recipe only: run options (output, compilation, kernels) may change on resume.
+    assert json.loads((state_dir / "latest.json").read_text())["recipe"] == dataclasses.asdict(recipe)
     with pytest.raises(T.ResumeError, match="that run had 1 ranks, this one has 2"):
-        T.load_snapshot(state_dir, fresh, fresh_optimizer, hp, T.batch_geometry(1024, 4, 128, 2), 0)
+        T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, T.batch_geometry(1024, 4, 128, 2), 0)
     with pytest.raises(T.ResumeError, match="optimizer_rank00001.pt is missing"):
         pointer = json.loads((state_dir / "latest.json").read_text())
         (state_dir / "latest.json").write_text(json.dumps(dict(pointer, world_size=2)))
-        T.load_snapshot(state_dir, fresh, fresh_optimizer, hp, T.batch_geometry(1024, 4, 128, 2), 1)
+        T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, T.batch_geometry(1024, 4, 128, 2), 1)
     with pytest.raises(T.ResumeError, match="no snapshot there"):
-        T.load_snapshot(tmp_path / "nothing", fresh, fresh_optimizer, hp, geometry, 0)
-
-
-def dict_replace(hp, **changes):
-    import dataclasses
-    return dataclasses.replace(hp, **changes)
+        T.load_snapshot(tmp_path / "nothing", fresh, fresh_optimizer, recipe, geometry, 0)
 
 
 @pytest.mark.slow

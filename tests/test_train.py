@@ -165,9 +165,36 @@ def test_relu2_reference_matches_autograd_in_float64():
     assert torch.equal(T.relu_squared(x.detach()), torch.relu(x.detach()) ** 2)  # the default path
 
 
+def test_the_budget_clock_follows_the_rule(monkeypatch):
+    """train.py's own clock (the organisers' prepare.py gives it no ledger figures): start-up lasts until
+    the end of this process's step TRAIN_STARTUP_STEPS_EXCLUDED - 1, at most the cap, and a resumed
+    run's earlier charged seconds carry over."""
+    now = {"t": 1000.0}
+    monkeypatch.setattr(T.time, "time", lambda: now["t"])
+    clock = T.BudgetClock(carried_seconds=50.0)
+    clock.started = 1000.0
+    for step in range(T.TRAIN_STARTUP_STEPS_EXCLUDED):
+        now["t"] = 1100.0 + 10 * step
+        assert clock.step_done() == step and clock.charged_seconds() == 50.0  # all start-up so far
+    now["t"] = 1140.0 + 30.0
+    s = clock.status(budget_seconds=75.0)
+    assert s["startup_allowance_seconds"] == 140.0 and s["charged_seconds"] == 80.0 and s["over_budget"]
+    assert clock.median_step_seconds() is None  # no step after start-up yet
+    now["t"] = 1142.0
+    clock.step_done()
+    assert clock.median_step_seconds() == 2.0
+    slow = T.BudgetClock()  # a start-up longer than the cap
+    slow.started = 1000.0
+    for step in range(T.TRAIN_STARTUP_STEPS_EXCLUDED):
+        now["t"] = 2000.0 + step
+        slow.step_done()
+    assert slow.status(1e9)["startup_allowance_seconds"] == T.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS
+    assert slow.charged_seconds() == 1004.0 - T.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS
+
+
 def test_default_model_is_about_59_6M_parameters():
     with torch.device("meta"):
-        model = T.GPT(T.model_config(T.Hyperparameters()))
+        model = T.GPT(T.model_config(T.Recipe()))
     assert model.num_params() == 59_637_780
     assert model.config.n_embd == 640 and model.config.n_head == 5
 
@@ -180,17 +207,21 @@ def test_importing_train_has_no_side_effects(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_flags_cover_every_hyperparameter_and_presets_apply():
-    hp = T.parse_hyperparameters(["--preset", "cpu", "--depth", "3", "--no-compile", "--matrix-lr", "0.01"])
-    assert hp.depth == 3 and hp.matrix_lr == 0.01 and hp.compile is False
-    assert hp.seq_len == T.PRESETS["cpu"]["seq_len"]
-    assert T.parse_hyperparameters([]) == T.Hyperparameters()
+def test_flags_cover_the_recipe_and_the_run_options_and_presets_apply():
+    recipe, options, _ = T.parse_command_line(["--preset", "cpu", "--depth", "3", "--no-compile", "--matrix-lr",
+                                               "0.01"])
+    assert recipe.depth == 3 and recipe.matrix_lr == 0.01 and options.compile is False
+    assert recipe.seq_len == T.PRESETS["cpu"]["seq_len"] and options.log_every == T.PRESETS["cpu"]["log_every"]
+    assert T.parse_command_line([])[:2] == (T.Recipe(), T.RunOptions())
+    fields = [f.name for f in T.setting_fields()]
+    assert len(fields) == len(set(fields))  # a setting is either the recipe's or a run option, never both
+    assert set(T.PRESETS["cpu"]) | set(T.PRESETS["phase2"]) | set(T.PRESETS["gpu"]) <= set(fields)
 
 
 def test_schedules():
-    hp = T.Hyperparameters(warmup_ratio=0.1, warmdown_ratio=0.5, final_lr_frac=0.1)
-    assert T.lr_multiplier(0.05, hp) == pytest.approx(0.5)
-    assert T.lr_multiplier(0.3, hp) == 1.0
-    assert T.lr_multiplier(0.75, hp) == pytest.approx(0.55)
-    assert T.lr_multiplier(1.0, hp) == pytest.approx(0.1)
-    assert T.muon_momentum(0.0, hp) == 0.85 and T.muon_momentum(1.0, hp) == 0.95
+    recipe = T.Recipe(warmup_ratio=0.1, warmdown_ratio=0.5, final_lr_frac=0.1)
+    assert T.lr_multiplier(0.05, recipe) == pytest.approx(0.5)
+    assert T.lr_multiplier(0.3, recipe) == 1.0
+    assert T.lr_multiplier(0.75, recipe) == pytest.approx(0.55)
+    assert T.lr_multiplier(1.0, recipe) == pytest.approx(0.1)
+    assert T.muon_momentum(0.0, recipe) == 0.85 and T.muon_momentum(1.0, recipe) == 0.95

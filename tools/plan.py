@@ -1,0 +1,226 @@
+"""The budget planner: size the model and batch of train.py for a budget, and print the flags. It trains
+nothing (--probe times a few steps first); it is a tool beside the submission, which never runs it.
+
+    python tools/plan.py --ranks 64 --budget 14400     # 16 chips (LNC=2), 4 h, at the assumed throughput
+    python tools/plan.py --ranks 4 --budget 1800       # one chip, 30 min
+    python tools/plan.py --preset phase2 --ranks 64 --budget 14400 --tokens-per-second $MEASURED --measured-ranks 4
+    python tools/plan.py --device cpu --probe --ranks 1 --budget 300 --preset cpu   # measure here first
+
+Every train.py flag describes the model to plan from (--preset, --depth, --aspect-ratio, ...).
+
+The model of throughput: a rank achieves a fixed number of model FLOP/s, whatever the depth, so a
+figure measured with one model carries over to others. The rule: the depth (at the flags' aspect ratio)
+whose training tokens per parameter come nearest PLAN_TOKENS_PER_PARAM; a batch from the batch law;
+the steps that fill the training time.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train as T  # noqa: E402
+
+# The planner's rule. A preset sweep may revise these constants; each says where its value comes from.
+PLAN_TOKENS_PER_PARAM = 10.5  # nanochat's compute-optimal fit for this model family (anchors: at a fixed
+                              # compute budget, the loss is lowest near 10.5 training tokens per parameter)
+                              # Not at CPU scale: at 5 minutes (~1e14 FLOPs) the preset sweep found ~0.7 best
+                              # (README, "The CPU preset, chosen by measurement"): size such runs by a sweep
+PLAN_REFERENCE_BATCH = 2**18  # autoresearch's tuned batch (tokens per step) for a run of ...
+PLAN_REFERENCE_TOKENS = 5e8  # ... ~0.5B training tokens (5 minutes on an H100)
+PLAN_BATCH_EXPONENT = 0.383  # nanochat's fit: the best batch grows as (training tokens)^0.383 (2^18 at depth 8 to
+                             # 2^20 at depth 26); so the steps in a budget grow as (tokens)^0.617
+PLAN_ASSUMED_MFU = 0.22  # without a measurement: a dense 6-layer x 1024 model reached ~22% on one Trainium2
+                         # chip in Phase 1; measure your own and re-plan (--tokens-per-second or --probe)
+PLAN_MAX_DEPTH = 64
+PLAN_PROBE_WARMUP, PLAN_PROBE_STEPS = 3, 5  # --probe: steps that compile and warm up, then steps timed
+
+
+@dataclass
+class Plan:
+    recipe: T.Recipe  # the planned flags
+    ranks: int
+    flops_per_second: float  # achieved model FLOP/s, all ranks together
+    throughput_source: str
+    params: int
+    flops_per_token: int
+    training_seconds: float  # the budget less the time kept for the checkpoint
+    geometry: T.BatchGeometry
+    steps: int
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.geometry.total_batch_size
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.flops_per_second / self.flops_per_token
+
+
+def planned_batch_size(tokens: float, seq_len: int, ranks: int) -> int:
+    """The batch law's tokens per step for a run of `tokens`, as a power-of-two number of rows on every
+    rank (so at least one row per rank)."""
+    ideal = PLAN_REFERENCE_BATCH * (tokens / PLAN_REFERENCE_TOKENS) ** PLAN_BATCH_EXPONENT
+    row_tokens = seq_len * ranks
+    return row_tokens * 2 ** max(0, round(math.log2(ideal / row_tokens)))
+
+
+def plan_run(recipe: T.Recipe, ranks: int, budget_seconds: float, flops_per_second: float,
+             throughput_source: str = "given") -> Plan:
+    """Size a run for a budget at a throughput (achieved model FLOP/s, all ranks): the depth, at the
+    flags' aspect ratio and head size, whose training tokens per parameter come nearest (in ratio)
+    PLAN_TOKENS_PER_PARAM; the batch from the batch law; the steps that fill the budget. Pure."""
+    best = None
+    for depth in range(1, PLAN_MAX_DEPTH + 1):
+        candidate = dataclasses.replace(recipe, depth=depth, time_budget=float(budget_seconds))
+        with torch.device("meta"):
+            model = T.GPT(T.model_config(candidate))
+        training_seconds = budget_seconds - T.checkpoint_save_reserve(model)
+        if training_seconds <= 0:
+            break
+        tokens = flops_per_second / model.flops_per_token() * training_seconds
+        distance = abs(math.log(tokens / model.num_params() / PLAN_TOKENS_PER_PARAM))
+        if best is not None and distance > best[0]:
+            break  # tokens per parameter only fall with depth: past the target, every deeper model is further
+        best = (distance, candidate, model, training_seconds, tokens)
+    if best is None:
+        raise ValueError(f"a budget of {budget_seconds:.0f}s leaves no time to train after saving the checkpoint")
+    _, candidate, model, training_seconds, tokens = best
+    batch = planned_batch_size(tokens, recipe.seq_len, ranks)
+    geometry = T.batch_geometry(batch, recipe.device_batch_size, recipe.seq_len, ranks)
+    candidate = dataclasses.replace(candidate, total_batch_size=batch, device_batch_size=geometry.device_batch_size)
+    return Plan(candidate, ranks, flops_per_second, throughput_source, model.num_params(), model.flops_per_token(),
+                training_seconds, geometry, int(tokens // batch))
+
+
+def format_plan(plan: Plan) -> str:
+    recipe, g = plan.recipe, plan.geometry
+    config = T.model_config(recipe)
+    flags = f"--depth {recipe.depth} --total-batch-size {recipe.total_batch_size} " \
+            f"--device-batch-size {recipe.device_batch_size} --time-budget {recipe.time_budget:.0f}"
+    launch = f"torchrun --standalone --nproc_per_node={plan.ranks} train.py" if plan.ranks > 1 else "python train.py"
+    per_rank = plan.flops_per_second / plan.ranks
+    rows = [("throughput", f"{per_rank / 1e12:.1f} TFLOP/s per rank ({plan.throughput_source})"),
+            ("ranks", plan.ranks), ("budget_seconds", f"{recipe.time_budget:.0f}"),
+            ("training_seconds", f"{plan.training_seconds:.0f}"),
+            ("depth", recipe.depth), ("width", config.n_embd), ("heads", config.n_head),
+            ("parameters_M", f"{plan.params / 1e6:.1f}"), ("flops_per_token", f"{plan.flops_per_token:.4e}"),
+            ("tokens_per_second", f"{plan.tokens_per_second:,.0f}"),
+            ("batch", f"{g.total_batch_size:,} tokens = {g.device_batch_size} x {g.seq_len} x {g.world_size} ranks x "
+                      f"{g.grad_accum_steps} accumulation"),
+            ("steps", f"{plan.steps:,}"), ("tokens_B", f"{plan.tokens / 1e9:.2f}"),
+            ("tokens_per_parameter", f"{plan.tokens / plan.params:.1f}"),
+            ("command", f"{launch} {flags}")]
+    return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
+
+
+def random_batches(rows: int, seq_len: int, device: torch.device):
+    """Endless (inputs, targets, state) of random tokens: throughput does not depend on the text."""
+    while True:
+        x = torch.randint(0, 8183, (rows, seq_len + 1), device=device)
+        yield x[:, :-1], x[:, 1:], {}
+
+
+def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int,
+                                warmup: int) -> dict:
+    """One process training the model of `recipe` on random tokens: tokens/s and MFU over `steps`
+    optimizer steps, after `warmup` steps that include compilation."""
+    profile = T.device_profile(device_type, recipe.dtype)
+    device = torch.device(device_type)
+    model = T.build_model(T.model_config(recipe), device, recipe.dtype, options.chunked_loss)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
+    geometry = T.batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
+
+    data = random_batches(geometry.device_batch_size, recipe.seq_len, device)
+    t0 = time.time()
+    for _ in range(warmup):
+        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
+    T.synchronize(device)
+    warm = time.time() - t0
+    t0, cpu0 = time.time(), time.process_time()
+    for _ in range(steps):
+        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
+    T.synchronize(device)
+    dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
+    tok_s = recipe.total_batch_size / dt
+    return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
+            "step_s": dt, "cpu_step_s": cpu_dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
+            "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
+            "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
+            "params_M": model.num_params() / 1e6, "peak_memory_mb": T.peak_memory_mb(device)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """train.py's flags (they describe the model to plan from) and the planner's own."""
+    parser = T.build_parser()
+    parser.description = __doc__.strip().split("\n\n")[0]
+    plan = parser.add_argument_group("budget planner")
+    plan.add_argument("--ranks", type=int, default=1, help="ranks of the run to plan (Trainium2: 4 per chip at "
+                      "NEURON_LOGICAL_NC_CONFIG=2, 8 at 1)")
+    plan.add_argument("--budget", type=float, default=None, help="seconds of charged time (default: --time-budget)")
+    plan.add_argument("--tokens-per-second", type=float, default=None, help="throughput measured for the model "
+                      "the other flags describe (a run's tokens_per_second), all ranks together")
+    plan.add_argument("--measured-ranks", type=int, default=None, help="ranks of that measurement (default: --ranks)")
+    plan.add_argument("--mfu", type=float, default=None, help=f"assumed model FLOPs utilisation, 0-1 (default "
+                      f"{PLAN_ASSUMED_MFU} without a measurement)")
+    plan.add_argument("--probe", action="store_true", help="measure the throughput of the model the other flags "
+                      "describe with a few steps on this machine's device first")
+    return parser
+
+
+def main(argv=None) -> int:
+    """The throughput from a measurement, a probe or an assumed MFU, then the plan."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    recipe, options, _ = T.settings_from(args, parser)
+    budget = args.budget if args.budget is not None else recipe.time_budget
+    if args.ranks < 1 or budget <= 0:
+        raise SystemExit(f"error: the planner needs --ranks >= 1 and --budget > 0, got {args.ranks}, {budget}")
+    target = options.device if options.device not in ("", "auto") else "neuron"  # the competition's device, unless told
+    with torch.device("meta"):
+        flops_per_token = T.GPT(T.model_config(recipe)).flops_per_token()  # the model the other flags describe
+    if args.tokens_per_second is not None:
+        measured_ranks = args.measured_ranks or args.ranks
+        if args.tokens_per_second <= 0 or measured_ranks < 1:
+            raise SystemExit("error: --tokens-per-second and --measured-ranks must be positive")
+        per_rank = args.tokens_per_second / measured_ranks * flops_per_token
+        source = f"measured {args.tokens_per_second:,.0f} tokens/s of the depth-{recipe.depth} model on " \
+                 f"{measured_ranks} ranks"
+    elif args.probe:
+        here = T.detect_device_type()
+        if target != here:
+            raise SystemExit(f"error: --probe measures on the device it plans for ({target}), and this machine's is "
+                             f"{here}: pass --device {here} to plan for it, or give --tokens-per-second or --mfu")
+        print(f"probe: {PLAN_PROBE_WARMUP} + {PLAN_PROBE_STEPS} steps of the depth-{recipe.depth} model on "
+              f"{target}", flush=True)
+        r = measure_training_throughput(recipe, options, target, PLAN_PROBE_STEPS, PLAN_PROBE_WARMUP)
+        per_rank = r["achieved_tflops"] * 1e12
+        source = f"probe: {r['tokens_per_second']:,.0f} tokens/s of the depth-{recipe.depth} model on one " \
+                 f"{target} rank, {r['mfu_percent']:.1f}% MFU"
+    else:
+        mfu = args.mfu if args.mfu is not None else PLAN_ASSUMED_MFU
+        if not 0 < mfu <= 1:
+            raise SystemExit(f"error: --mfu is a fraction in (0, 1], got {mfu}")
+        if target == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("error: an MFU-based plan for cuda reads the GPU's peak, and this machine has no GPU; "
+                             "plan on the GPU machine, or give --tokens-per-second")
+        profile = T.device_profile(target, recipe.dtype)
+        per_rank = mfu * profile.peak_flops
+        source = f"{'assumed' if args.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
+                 f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
+    print(format_plan(plan_run(recipe, args.ranks, budget, per_rank * args.ranks, source)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
