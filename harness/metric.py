@@ -29,6 +29,7 @@ per-row sums are gathered and added in row order: the same number at any world s
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import secrets
 import time
@@ -62,7 +63,8 @@ MIN_PROBES = 16  # at least this many probes, however few rows are scored
 REPEAT_SHARE = 1 / 8  # of the probes, this share repeats the whole row (batch independence); the rest are
                       # twins cut at a position (official run: 1,120 twins, so each of the 1,023 positions is cut)
 SECRET_TOKEN_IDS = 8  # token ids compared at every position, besides the row's own target
-PROBE_BATCH_CHANCE = 0.5  # after a scored batch, the chance that a full batch of waiting twins goes next
+PROBE_BATCH_CHANCE = 0.5  # after a scored batch, the chance that a full batch of waiting probes goes next
+LOGIT_LIMIT = 1e30  # |logit| above this is refused: below it every log-prob, difference and sum is finite
 
 
 @dataclass
@@ -135,32 +137,57 @@ class LocalForward:
 
 
 # ---------------------------------------------------------------------------------------------
-# Scoring with the checks
+# Log-probabilities the model cannot poison
 # ---------------------------------------------------------------------------------------------
 
-def _log_probs_at(logits: np.ndarray, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-softmax at index [n, T, k], every value finite?) computed in fp32 from logits [n, T, V]."""
-    x = torch.from_numpy(logits)
-    finite = bool(torch.isfinite(x).all())
+def checked_log_probs(logits, index, who: str = "model(inputs)") -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-softmax at index [..., k], logsumexp [..., 1]) in fp32 from logits [..., V]. EvalRefused
+    unless every logit is a number within +-LOGIT_LIMIT: then every log-prob lies in
+    [-2 * LOGIT_LIMIT - ln V, 0], so every difference the checks take and every sum the metric adds
+    is a finite number, and a check can never compare NaN with NaN."""
+    x = torch.as_tensor(logits)
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    if not (-LOGIT_LIMIT <= lo and hi <= LOGIT_LIMIT):  # also false for NaN
+        raise EvalRefused(f"{who} returned non-finite logits (NaN or inf) or logits beyond +-{LOGIT_LIMIT:g} "
+                          f"(smallest {lo:.4g}, largest {hi:.4g}); the harness refuses them")
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    return x.gather(-1, torch.from_numpy(index).long()) - lse, torch.tensor(finite)
+    lp = x.gather(-1, torch.as_tensor(index).long()) - lse
+    if not bool(torch.isfinite(lp).all()):  # cannot happen within the limit; refuse rather than compare
+        raise EvalRefused(f"{who} gave log-probabilities that are not finite")
+    return lp, lse
 
 
-def _compare(kind: str, got: torch.Tensor, ref: torch.Tensor, tol: float, checks: CheckLog, what: str) -> None:
-    diff = float((got - ref).abs().max()) if got.numel() else 0.0
+CHECK_MESSAGES = {
+    "causality": "log-probs before a cut point changed when the tokens after it changed (and the row ran in "
+                 "another batch and another worker): the model is not causal, or its rows interact (logits at "
+                 "position t must depend only on tokens 0..t of their own row)",
+    "batch_content": "a row's log-probs changed when the row ran in another batch (and another worker): rows "
+                     "must not interact, and the forward must be a pure function",
+    "replay": "the same batch gave different log-probs in another worker: the forward must be a pure function",
+    "batch_size": "a row's log-probs changed when it ran alone instead of in a batch: the output must not "
+                  "depend on the batch size",
+}
+
+
+def compare_log_probs(kind: str, got: torch.Tensor, ref: torch.Tensor, tol: float, checks: "CheckLog",
+                      what: str) -> None:
+    """EvalRefused unless every |got - ref| <= tol (a NaN fails). got, ref: [T, k] log-probs; the
+    message names the check, the row, the position, both values and the tolerance."""
+    if not got.numel():
+        return
+    delta = (got - ref).abs()
+    diff = float(delta.max())
     checks.worst[kind] = max(checks.worst[kind], diff)
-    if diff > tol:
-        messages = {
-            "causality": "log-probs before a cut point changed when the tokens after it changed (and the row ran in "
-                         "another batch): the model is not causal, or its rows interact (logits at position t must "
-                         "depend only on tokens 0..t of their own row)",
-            "batch_content": "a row's log-probs changed when the row ran in another batch: rows must not interact",
-            "replay": "the same batch gave different log-probs the second time: the forward must be a pure function",
-            "batch_size": "a row's log-probs changed when it ran alone instead of in a batch: the output must not "
-                          "depend on the batch size",
-        }
-        raise EvalRefused(f"{messages[kind]} ({what}: max |difference| {diff:.3g} nats, tolerance {tol:.3g})")
+    if not diff <= tol:
+        at = int(delta.reshape(-1).argmax())
+        t, j = divmod(at, got.shape[-1])
+        raise EvalRefused(f"{CHECK_MESSAGES[kind]} (check {kind}: {what}, position {t}: {float(got[t, j]):.6g} vs "
+                          f"{float(ref[t, j]):.6g} nats, difference {diff:.3g}, tolerance {tol:.3g})")
 
+
+# ---------------------------------------------------------------------------------------------
+# Scoring with the checks: two passes, and the probes of a row never in the pass that scores it
+# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class Batch:
@@ -168,61 +195,78 @@ class Batch:
     rows: list[int]
     probes: list[Probe]
     inputs: np.ndarray  # int32 [n, seq_len]
-    purpose: str = "score"  # score, replay (a scored batch sent again) or alone (one row, batch size 1)
-    keep: bool = False  # keep this batch's log-probs: it will be replayed
+    purpose: str = "score"  # score, replay (a batch of the first pass sent again) or alone (one row, batch size 1)
+    keep: bool = False  # keep this batch's log-probs: the second pass replays it
 
 
 class _Scorer:
-    """This rank's rows and the secret probes, through a forward (at most two in flight); keeps the
-    per-row sums and raises EvalRefused at the first broken check."""
+    """This rank's rows and their secret probes, in two passes, each through its own forward (for
+    the command line: a fresh worker process that shares nothing with the other). The rows are
+    split in two by a secret draw; pass k scores the rows of side k and carries the probes of the
+    other side's rows, so a probe never runs where its original did, and a model that remembers
+    what it saw has never seen the original of a probe it is asked. Keeps the per-row sums; raises
+    EvalRefused at the first broken check (a probe of the first pass is checked once its original
+    has been scored, in the second)."""
 
-    def __init__(self, forward, rows: np.ndarray, token_bytes: np.ndarray, batch_size: int, tolerances: dict,
-                 num_ordinary: int, deadline: float, rng: np.random.Generator, cuts: np.ndarray | None = None):
+    PASSES = 2
+
+    def __init__(self, rows: np.ndarray, token_bytes: np.ndarray, batch_size: int, num_ordinary: int,
+                 deadline: float, rng: np.random.Generator, cuts: np.ndarray | None = None):
         """cuts: the cut positions this scorer cycles through (default: every position, shuffled)."""
-        self.forward, self.rows, self.B, self.tol = forward, rows, batch_size, tolerances
-        self.T = rows.shape[1] - 1
+        self.rows, self.B, self.T = rows, batch_size, rows.shape[1] - 1
         self.token_bytes, self.deadline, self.rng = token_bytes, deadline, rng
         self.secret_ids = rng.choice(num_ordinary, size=SECRET_TOKEN_IDS, replace=False).astype(np.int64)
-        self.nats = np.zeros(len(rows), dtype=np.float64)
-        self.bytes = np.zeros(len(rows), dtype=np.int64)
-        self.tokens = np.zeros(len(rows), dtype=np.int64)
+        R = len(rows)
+        self.side = np.zeros(R, dtype=np.int64)
+        self.side[rng.permutation(R)[(R + 1) // 2:]] = 1
+        self.nats = np.zeros(R, dtype=np.float64)
+        self.bytes = np.zeros(R, dtype=np.int64)
+        self.tokens = np.zeros(R, dtype=np.int64)
         self.checks = CheckLog()
         self.cuts = rng.permutation(np.arange(1, self.T)) if cuts is None else cuts
-        self.planned = self._plan_probes()  # row -> its twins, released when the row is scored
+        self.probes = self._plan_probes()
+        side0 = np.flatnonzero(self.side == 0)
+        self.alone = int(rng.choice(side0))  # runs alone (batch size 1) in the second pass
+        self.needed = {p.row for p in self.probes} | {self.alone}  # rows whose log-probs are kept as references
         self.references: dict[int, torch.Tensor] = {}  # row -> log-probs at its compare ids [T, 1 + K]
-        self.ready: list[Probe] = []
+        self.waiting: dict[int, list[tuple[Probe, torch.Tensor]]] = collections.defaultdict(list)
         self.in_flight: collections.deque[Batch] = collections.deque()
-        self.replayed: tuple[Batch, torch.Tensor] | None = None
+        self.kept: tuple[Batch, torch.Tensor] | None = None
+        self.tol: dict | None = None
+        self.compute_dtype: str | None = None
+        self.pass_seconds: list[float] = []
 
     # --- the secret plan ------------------------------------------------------------------------
 
-    def _plan_probes(self) -> dict[int, list[Probe]]:
+    def _plan_probes(self) -> list[Probe]:
         """Which rows get probes (a secret sample), which are twins and where they are cut (the
         cycle of cut positions, so a run with as many twins as positions cuts at every one), and
         which other text follows each cut."""
         R = len(self.rows)
         count = max(MIN_PROBES, math.ceil(R * PROBE_FRACTION))
         twins = count - int(count * REPEAT_SHARE) if len(self.cuts) else 0
-        plan: dict[int, list[Probe]] = collections.defaultdict(list)
+        probes = []
         for k, row in enumerate(self.rng.choice(R, size=count, replace=count > R).tolist()):
-            twin = None
-            if k < twins:
-                cut = int(self.cuts[k % len(self.cuts)])
-                twin = self._twin(row, cut)
-            plan[row].append(Probe(row, cut, twin) if twin is not None else self._repeat(row))
-        return plan
+            twin = self._twin(row, int(self.cuts[k % len(self.cuts)])) if k < twins else None
+            probes.append(Probe(row, int(self.cuts[k % len(self.cuts)]), twin) if twin is not None else self._repeat(row))
+        return probes
 
     def _twin(self, row: int, cut: int) -> np.ndarray | None:
-        """The row's inputs before cut, then real text from other rows: the same positions of another
-        row if its token at the cut differs from this row's, else a stretch of two other rows whose
-        first token differs. So a model that reads ahead shows it at position cut - 1."""
-        inputs, R, T = self.rows[row, :self.T], len(self.rows), self.T
-        for donor in self.rng.permutation(R)[:64].tolist():
+        """The row's inputs before cut, then real text from other rows of the same side (which the
+        pass that runs the twin never sees whole): the same positions of another row if its token at
+        the cut differs from this row's, else a stretch of two other rows whose first token differs.
+        So a model that reads ahead shows it at position cut - 1."""
+        inputs, T = self.rows[row, :self.T], self.T
+        donors = np.flatnonzero(self.side == self.side[row])
+        if len(donors) < 2:
+            donors = np.arange(len(self.rows))
+        for donor in self.rng.permutation(donors)[:64].tolist():
             if donor == row:
                 continue
             if self.rows[donor, cut] != inputs[cut]:
                 return np.concatenate([inputs[:cut], self.rows[donor, cut:T]])
-            text = self.rows[[donor, (donor + 1) % R], :T].reshape(-1)
+            nxt = int(donors[(np.searchsorted(donors, donor) + 1) % len(donors)])
+            text = self.rows[[donor, nxt], :T].reshape(-1)
             for start in self.rng.integers(0, T, size=8).tolist():
                 if text[start] != inputs[cut]:
                     return np.concatenate([inputs[:cut], text[start:start + T - cut]])
@@ -231,95 +275,125 @@ class _Scorer:
     def _repeat(self, row: int) -> Probe:
         return Probe(row, self.T, self.rows[row, :self.T].copy())
 
-    def _take_ready(self, count: int) -> list[Probe]:
-        """Up to count waiting twins, picked at random."""
-        count = min(count, len(self.ready))
-        picks = sorted(self.rng.choice(len(self.ready), size=count, replace=False).tolist(), reverse=True)
-        return [self.ready.pop(i) for i in picks]
-
     # --- forwards -------------------------------------------------------------------------------
 
-    def _submit(self, batch: Batch) -> None:
+    def _submit(self, forward, batch: Batch) -> None:
         if len(self.in_flight) == 2:
-            self._collect()
-        self.forward.submit(batch.inputs)
+            self._collect(forward)
+        forward.submit(batch.inputs)
         self.in_flight.append(batch)
 
-    def _drain(self) -> None:
+    def _drain(self, forward) -> None:
         while self.in_flight:
-            self._collect()
+            self._collect(forward)
 
-    def _collect(self) -> None:
+    def _collect(self, forward) -> None:
         batch = self.in_flight.popleft()
-        logits = self.forward.result()
+        logits = forward.result()
         if time.monotonic() > self.deadline:
             raise WorkerTimeout("past the evaluation's time limit")
         own = [self.rows[r, 1:] for r in batch.rows] + [self.rows[p.row, 1:] for p in batch.probes]
         targets = np.stack(own)  # a twin is compared at its original row's targets
         ids = np.concatenate([targets[..., None].astype(np.int64),
                               np.broadcast_to(self.secret_ids, (*targets.shape, SECRET_TOKEN_IDS))], axis=-1)
-        lp, finite = _log_probs_at(logits, ids)
-        if not finite:
-            raise EvalRefused("model(inputs) returned non-finite logits (NaN or inf)")
+        lp, _ = checked_log_probs(logits, ids)
+        same = self.tol["same_shape"]
         if batch.purpose == "replay":
-            return _compare("replay", lp, self.replayed[1], self.tol["same_shape"], self.checks,
-                            "a scored batch sent a second time")
+            kept_batch, kept = self.kept
+            for i in range(len(lp)):
+                compare_log_probs("replay", lp[i], kept[i], same, self.checks,
+                                  f"row {i} of a first-pass batch run again in the second pass")
+            return
         if batch.purpose == "alone":
-            return _compare("batch_size", lp[0], self.references[batch.rows[0]], self.tol["batch_size"], self.checks,
-                            "a row run as a batch of 1")
-        here = {}
+            return compare_log_probs("batch_size", lp[0], self.references[batch.rows[0]], self.tol["batch_size"],
+                                     self.checks, f"row {batch.rows[0]} run as a batch of 1")
         for i, row in enumerate(batch.rows):
             nbytes = self.token_bytes[targets[i]]
             counted = torch.from_numpy(nbytes > 0)
             self.nats[row] = -float(lp[i, :, 0][counted].double().sum())
             self.bytes[row] = int(nbytes.sum())
             self.tokens[row] = int(counted.sum())
-            here[row] = lp[i]
-            if row in self.planned:
+            if row in self.needed:
                 self.references[row] = lp[i].clone()
-                self.ready.extend(self.planned.pop(row))
+                for probe, probe_lp in self.waiting.pop(row, []):
+                    self._check_probe(probe, probe_lp)
         for i, probe in enumerate(batch.probes, start=len(batch.rows)):
-            ref = here.get(probe.row, self.references.get(probe.row))
-            whole = probe.cut == self.T
-            _compare("batch_content" if whole else "causality", lp[i, :probe.cut], ref[:probe.cut],
-                     self.tol["same_shape"], self.checks,
-                     "a row sent again in another batch" if whole else f"a row cut at position {probe.cut}")
-            self.checks.probes += 1
-            if not whole:
-                self.checks.cut_positions.add(probe.cut)
+            if probe.row in self.references:
+                self._check_probe(probe, lp[i])
+            else:
+                self.waiting[probe.row].append((probe, lp[i].clone()))
         if batch.keep:
-            self.replayed = (batch, lp.clone())
+            self.kept = (batch, lp.clone())
 
-    # --- the run --------------------------------------------------------------------------------
+    def _check_probe(self, probe: Probe, lp: torch.Tensor) -> None:
+        whole = probe.cut == self.T
+        compare_log_probs("batch_content" if whole else "causality", lp[:probe.cut],
+                          self.references[probe.row][:probe.cut], self.tol["same_shape"], self.checks,
+                          f"row {probe.row} sent again in another batch" if whole
+                          else f"row {probe.row} cut at position {probe.cut}")
+        self.checks.probes += 1
+        if not whole:
+            self.checks.cut_positions.add(probe.cut)
 
-    def _fill(self, probes: list[Probe], rows: list[int], size: int) -> list[Probe]:
-        """probes, padded to size with repeats of `rows` (or of rows already scored)."""
-        pool = rows or sorted(self.references)
-        return probes + [self._repeat(int(r)) for r in self.rng.choice(pool, size=size - len(probes))]
+    # --- the passes -----------------------------------------------------------------------------
 
     def _inputs(self, rows: list[int], probes: list[Probe]) -> np.ndarray:
         return np.concatenate([self.rows[rows, :self.T]] + [p.inputs[None] for p in probes])
 
-    def run(self) -> None:
-        R, B = len(self.rows), self.B
-        batches = [list(range(i, min(i + B, R))) for i in range(0, R, B)]
-        replay_at = int(self.rng.integers(len(batches)))
+    def _padded(self, probes: list[Probe], size: int, k: int) -> list[Probe]:
+        """probes, padded to size with repeats of the other side's rows (themselves probes): in the
+        first pass any of them (their log-probs will be kept when the second pass scores them), in
+        the second those already kept."""
+        if k == 0:
+            pool = np.flatnonzero(self.side == 1)
+            pool = pool if len(pool) else np.flatnonzero(self.side == 0)
+        else:
+            pool = np.array(sorted(r for r in self.references if self.side[r] == 0))
+        rows = self.rng.choice(pool, size=size - len(probes)).tolist()
+        self.needed.update(rows)
+        return probes + [self._repeat(int(r)) for r in rows]
+
+    def run_pass(self, k: int, forward, compute_dtype: str | None) -> None:
+        """Pass k through forward: the rows of side k in row order, with the probes of the other
+        side's rows in the padding of a short batch and in probe batches at secret points; the
+        second pass also replays a first-pass batch and runs one first-pass row alone."""
+        t0 = time.time()
+        if k == 0:
+            self.compute_dtype, self.tol = compute_dtype, tolerances_for(compute_dtype)
+        elif compute_dtype != self.compute_dtype:
+            raise EvalRefused(f"the model reported compute dtype {compute_dtype} in one worker and "
+                              f"{self.compute_dtype} in the other")
+        B = self.B
+        mine = np.flatnonzero(self.side == k).tolist()
+        probes = [p for p in self.probes if self.side[p.row] != k]
+        probes = [probes[i] for i in self.rng.permutation(len(probes))]
+        batches = [mine[i:i + B] for i in range(0, len(mine), B)]
+        full = [j for j, rows in enumerate(batches) if len(rows) == B] or list(range(len(batches)))
+        replay_at = int(self.rng.choice(full)) if k == 0 and batches else -1
         for j, rows in enumerate(batches):
-            padding = self._fill(self._take_ready(B - len(rows)), rows, B - len(rows))
-            self._submit(Batch(rows, padding, self._inputs(rows, padding), keep=j == replay_at))
-            if len(self.ready) >= B and self.rng.random() < PROBE_BATCH_CHANCE:
-                probes = self._take_ready(B)
-                self._submit(Batch([], probes, self._inputs([], probes)))
-        self._drain()
-        while self.ready:
-            probes = self._fill(self._take_ready(B), [], B)
-            self._submit(Batch([], probes, self._inputs([], probes)))
-        self._drain()
-        replayed = self.replayed[0]
-        self._submit(Batch(replayed.rows, replayed.probes, replayed.inputs, purpose="replay"))
-        alone = int(self.rng.choice(sorted(self.references)))
-        self._submit(Batch([alone], [], self.rows[[alone], :self.T], purpose="alone"))
-        self._drain()
+            padding = self._padded([probes.pop() for _ in range(min(B - len(rows), len(probes)))], B - len(rows), k)
+            self._submit(forward, Batch(rows, padding, self._inputs(rows, padding), keep=j == replay_at))
+            if len(probes) >= B and self.rng.random() < PROBE_BATCH_CHANCE:
+                batch = [probes.pop() for _ in range(B)]
+                self._submit(forward, Batch([], batch, self._inputs([], batch)))
+        while probes:
+            batch = self._padded([probes.pop() for _ in range(min(B, len(probes)))], B, k)
+            self._submit(forward, Batch([], batch, self._inputs([], batch)))
+        if k == 1:
+            if self.kept is not None:
+                kept = self.kept[0]
+                self._submit(forward, Batch(kept.rows, kept.probes, kept.inputs, purpose="replay"))
+            self._submit(forward, Batch([self.alone], [], self.rows[[self.alone], :self.T], purpose="alone"))
+        self._drain(forward)
+        self.pass_seconds.append(time.time() - t0)
+
+    def run(self, open_pass) -> None:
+        """Both passes; open_pass(k) is a context manager giving (forward, compute dtype) for pass k."""
+        for k in range(self.PASSES):
+            with open_pass(k) as (forward, compute_dtype):
+                self.run_pass(k, forward, compute_dtype)
+        if any(self.waiting.values()):
+            raise RuntimeError("a probe's original was never scored")  # the plan guarantees it is
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,28 +447,29 @@ def _gather_outcome(outcome: dict, world: int) -> list[dict]:
     return gathered
 
 
-def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, timeout_seconds: float,
-          compute_dtype: str | None, t0: float, deadline: float) -> dict:
-    """Score the rows of this rank (strided over the process group, if any) with the checks, gather
-    every rank's per-row sums and add them in row order. EvalRefused on every rank if any rank
-    found a broken check."""
+def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, timeout_seconds: float,
+          t0: float, deadline: float) -> dict:
+    """Score the rows of this rank (strided over the process group, if any) with the checks, in
+    the scorer's two passes (open_pass(k): a context manager giving (forward, compute dtype)),
+    gather every rank's per-row sums and add them in row order. EvalRefused on every rank if any
+    rank found a broken check."""
     rank, world = _distributed()
     mine = np.arange(rank, len(rows), world)
     vocab = tokenizer.get_vocab_size()
     token_bytes = get_token_bytes("cpu", tokenizer).numpy().astype(np.int64)
     cuts = np.random.default_rng(_shared_secret(world)).permutation(np.arange(1, rows.shape[1] - 1))[rank::world]
-    scorer = _Scorer(forward, rows[mine], token_bytes, batch_size, tolerances_for(compute_dtype),
-                     vocab - len(SPECIAL_TOKENS), deadline, np.random.default_rng(secrets.randbits(128)), cuts)
+    scorer = _Scorer(rows[mine], token_bytes, batch_size, vocab - len(SPECIAL_TOKENS), deadline,
+                     np.random.default_rng(secrets.randbits(128)), cuts)
     status, message = "ok", ""
     try:
-        scorer.run()
+        scorer.run(open_pass)
     except EvalRefused as e:
         status, message = "refused", str(e)
     except WorkerTimeout:
         status = "timeout"
     outcome = {"status": status, "message": message, "rows": mine, "nats": scorer.nats, "bytes": scorer.bytes,
                "tokens": scorer.tokens, "worst": scorer.checks.worst, "probes": scorer.checks.probes,
-               "cuts": sorted(scorer.checks.cut_positions)}
+               "cuts": sorted(scorer.checks.cut_positions), "pass_seconds": scorer.pass_seconds}
     everyone = _gather_outcome(outcome, world)
     refused = [o["message"] for o in everyone if o["status"] == "refused"]
     if refused:
@@ -410,6 +485,7 @@ def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, time
     over = over or time.monotonic() > deadline
     bpb = total_nats / (math.log(2) * total_bytes) if total_bytes else float("nan")
     worst = {k: max(o["worst"][k] for o in everyone) for k in everyone[0]["worst"]}
+    dtype = scorer.compute_dtype
     return {"val_bpb": float("nan") if over else bpb, "partial_val_bpb": bpb if over else None,
             "total_nats": total_nats, "total_bytes": total_bytes, "tokens": int(tokens.sum()), "rows": len(rows),
             "seq_len": rows.shape[1] - 1, "batch_size": batch_size, "eval_seconds": seconds,
@@ -418,7 +494,8 @@ def score(forward, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, time
             "batch_size_max_abs_diff": worst["batch_size"], "replay_max_abs_diff": worst["replay"],
             "probes": sum(o["probes"] for o in everyone),
             "cut_positions": len(set().union(*(o["cuts"] for o in everyone))),
-            "tolerances": tolerances_for(compute_dtype), "compute_dtype": compute_dtype or "unknown"}
+            "pass_seconds": [max(o["pass_seconds"][k] for o in everyone) for k in range(len(scorer.pass_seconds))],
+            "tolerances": tolerances_for(dtype), "compute_dtype": dtype or "unknown"}
 
 
 def scored_shards(split: str, shard_path=None, shard_sha256: str | None = None) -> list[tuple[Path, str | None]]:
@@ -432,13 +509,25 @@ def scored_shards(split: str, shard_path=None, shard_sha256: str | None = None) 
     return [(path, shard_pin(path)) for path in split_shards(split)]
 
 
+def _model_dtype(model) -> str | None:
+    dtype = getattr(model, "compute_dtype", None)
+    return str(dtype).replace("torch.", "") if dtype is not None else None
+
+
+@contextlib.contextmanager
+def _in_process(model, device, vocab_size: int):
+    """Both passes of the in-process path run the caller's model (informational: it remembers
+    whatever it likes)."""
+    yield LocalForward(model, device, vocab_size), _model_dtype(model)
+
+
 def evaluate_bpb(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, split: str = "public_val",
                  max_tokens: int = EVAL_TOKENS, timeout_seconds: float = EVAL_TIMEOUT_SECONDS, *,
                  shard_path=None) -> dict:
     """Validation bits per byte of a model in this process (train.py's end-of-run figure): the same
-    rows, checks and arithmetic as the official command line, which runs the model in a worker
-    process. Under torchrun call it on every rank with the same arguments: the rows are shared out
-    and the result is the same on every rank and at every world size. EvalRefused if the model
+    rows, checks and arithmetic as the official command line, which runs the model in two worker
+    processes. Under torchrun call it on every rank with the same arguments: the rows are shared
+    out and the result is the same on every rank and at every world size. EvalRefused if the model
     breaks the load contract; past timeout_seconds, eval_over_timeout and val_bpb = nan."""
     t0 = time.time()
     deadline = time.monotonic() + timeout_seconds
@@ -446,10 +535,9 @@ def evaluate_bpb(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, dev
         model.eval()
     shards = scored_shards(split, shard_path)
     rows, digests = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
-    dtype = getattr(model, "compute_dtype", None)
-    forward = LocalForward(model, device, tokenizer.get_vocab_size())
-    result = score(forward, rows, tokenizer, batch_size, timeout_seconds,
-                   str(dtype).replace("torch.", "") if dtype is not None else None, t0, deadline)
+    vocab = tokenizer.get_vocab_size()
+    result = score(lambda k: _in_process(model, device, vocab), rows, tokenizer, batch_size, timeout_seconds, t0,
+                   deadline)
     result.update(max_tokens=max_tokens, split=split if shard_path is None else "shard",
                   shards=[str(p) for p, _ in shards], shard_sha256=digests, isolated=False)
     return result
@@ -459,33 +547,44 @@ def evaluate_checkpoint(submission: Submission, tokenizer: Tokenizer, batch_size
                         split: str = "public_val", max_tokens: int = EVAL_TOKENS,
                         timeout_seconds: float = EVAL_TIMEOUT_SECONDS, shard_path=None, shard_sha256=None,
                         local_rank: int = 0, label: str = "worker", use_sandbox: bool = True) -> dict:
-    """The official evaluation: the submission's load_for_eval(checkpoint) runs in a sandboxed
-    worker process, which sees only the input rows; everything else happens here. Everything (the
-    rows, the worker's start and load, the forwards and checks) must finish within timeout_seconds:
-    past it, WorkerTimeout (the worker is gone by then)."""
+    """The official evaluation: the submission's load_for_eval(checkpoint) runs in two sandboxed
+    worker processes, one after the other (the second starts once the first and all it started are
+    dead), each seeing only the input rows of its pass; everything else happens here. Everything
+    (the rows, both workers' start and load, the forwards and checks) must finish within
+    timeout_seconds: past it, WorkerTimeout (the workers are gone by then)."""
     start = time.time()
     deadline = time.monotonic() + timeout_seconds
     shards = scored_shards(split, shard_path, shard_sha256)
     rows, digests = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
     protected = [p for p, _ in shards]  # ... and what an offline data set was built from
     protected += [] if shard_path is not None else [f for f in {source_folder(p.parent) for p in protected} if f]
-    with Worker("model", submission, device, deadline=deadline, label=label, local_rank=local_rank,
-                tokenizer=tokenizer, protected=protected, use_sandbox=use_sandbox) as worker:
-        forward = ModelForward(worker, batch_size, seq_len, tokenizer.get_vocab_size())
-        t0 = time.time()  # eval_seconds: the scoring, once the model is loaded
-        try:
-            result = score(forward, rows, tokenizer, batch_size, timeout_seconds,
-                           worker.info["compute_dtype"], t0, deadline)
-        finally:
-            forward.close()
+    workers: list[dict] = []
+
+    @contextlib.contextmanager
+    def open_pass(k: int):
+        t_worker = time.time()
+        with Worker("model", submission, device, deadline=deadline, label=f"{label}" if k == 0 else f"{label}.2",
+                    local_rank=local_rank, tokenizer=tokenizer, protected=protected,
+                    use_sandbox=use_sandbox) as worker:
+            forward = ModelForward(worker, batch_size, seq_len, tokenizer.get_vocab_size())
+            workers.append({"device": worker.info["device"], "sandbox": worker.sandbox_applied,
+                            "start_seconds": worker.start_seconds, "sandbox_seconds": worker.sandbox_seconds,
+                            "load_seconds": time.time() - t_worker, "not_official_because": worker.not_official_because})
+            try:
+                yield forward, worker.info["compute_dtype"]
+            finally:
+                forward.close()
+        workers[-1]["seconds"] = time.time() - t_worker
+
+    result = score(open_pass, rows, tokenizer, batch_size, timeout_seconds, start, deadline)
     if result["eval_over_timeout"]:
         raise WorkerTimeout(f"the evaluation did not finish within {timeout_seconds:g}s")
+    reasons = list(dict.fromkeys(r for w in workers for r in w["not_official_because"]))
     result.update(max_tokens=max_tokens, split=split if shard_path is None else "shard",
                   shards=[str(p) for p, _ in shards], shard_sha256=digests, isolated=True,
-                  device=worker.info["device"], sandbox=worker.sandbox_applied,
-                  worker_start_seconds=worker.start_seconds, sandbox_seconds=worker.sandbox_seconds,
-                  not_official_because=worker.not_official_because,
-                  total_seconds=time.time() - start)
+                  device=workers[0]["device"], sandbox=workers[0]["sandbox"],
+                  worker_start_seconds=workers[0]["start_seconds"], sandbox_seconds=workers[0]["sandbox_seconds"],
+                  workers=workers, not_official_because=reasons, total_seconds=time.time() - start)
     return result
 
 
@@ -498,19 +597,17 @@ def causality_check(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, 
     if hasattr(model, "eval"):
         model.eval()
     rows, _ = evaluation_rows(tokenizer, seq_len, max_rows * seq_len, scored_shards(split))
-    dtype = getattr(model, "compute_dtype", None)
-    dtype = str(dtype).replace("torch.", "") if dtype is not None else None
-    scorer = _Scorer(LocalForward(model, device, tokenizer.get_vocab_size()), rows,
-                     get_token_bytes("cpu", tokenizer).numpy().astype(np.int64), max(1, batch_size),
-                     tolerances_for(dtype), tokenizer.get_vocab_size() - len(SPECIAL_TOKENS),
-                     time.monotonic() + EVAL_TIMEOUT_SECONDS, np.random.default_rng(secrets.randbits(128)))
+    vocab = tokenizer.get_vocab_size()
+    scorer = _Scorer(rows, get_token_bytes("cpu", tokenizer).numpy().astype(np.int64), max(1, batch_size),
+                     vocab - len(SPECIAL_TOKENS), time.monotonic() + EVAL_TIMEOUT_SECONDS,
+                     np.random.default_rng(secrets.randbits(128)))
     message = "ok"
     try:
-        scorer.run()
+        scorer.run(lambda k: _in_process(model, device, vocab))
     except EvalRefused as e:
         message = str(e)
     worst = scorer.checks.worst
     return {"passed": message == "ok", "max_abs_diff": max(worst["causality"], worst["batch_content"], worst["replay"]),
             "causal_max_abs_diff": worst["causality"], "batch_content_max_abs_diff": worst["batch_content"],
             "batch_size_max_abs_diff": worst["batch_size"], "replay_max_abs_diff": worst["replay"],
-            "probes": scorer.checks.probes, "tolerances": tolerances_for(dtype), "message": message}
+            "probes": scorer.checks.probes, "tolerances": tolerances_for(_model_dtype(model)), "message": message}
