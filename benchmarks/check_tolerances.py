@@ -1,0 +1,154 @@
+"""What an honest model's numbers differ by, where the harness compares them: the measurements the
+tolerances in harness/metric.py (TOLERANCE_NATS) and harness/core.py (DECISION_ALLOWANCE_NATS)
+rest on. For the kit's own model in fp32 and in bf16, on this machine's device:
+
+- val_bpb checks, through the official command-line path (two sandboxed workers) and in process
+  with many secrets: the largest honest difference of each kind (causality and batch content:
+  same shape, another batch or worker; replay; batch size: a row alone);
+- CORE: inference.py's answers (the prefix-cached scorer) against the trusted path's log-probs
+  (train.py's model, batches of 4 padded to multiples of 64) on imitations of the 22 tasks: the
+  largest per-token and per-mean difference, and the trusted margin of every decision the two
+  disagree on.
+
+    python benchmarks/check_tolerances.py --checkpoint out/final.pt [--secrets 10] [--examples 4]
+
+Uses the active dataset's public_val for the val_bpb rows. Without --checkpoint, a CPU-preset model
+with random weights everywhere is used (its near-uniform outputs make a weak test: use a trained one)."""
+import argparse
+import contextlib
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import inference  # noqa: E402
+import prepare  # noqa: E402
+import train as T  # noqa: E402
+from harness import core as C  # noqa: E402
+from harness import metric as M  # noqa: E402
+from harness.submission import copy_submission  # noqa: E402
+from core_throughput import CORE_TASKS, imitation  # noqa: E402
+from random_model import save_random_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FP32_OVERRIDE = '''
+
+_kit_load_for_eval = load_for_eval
+
+
+def load_for_eval(checkpoint_path, device):
+    model = _kit_load_for_eval(checkpoint_path, device)
+    model.compute_dtype = None  # fp32
+    return model
+'''
+
+
+def load(checkpoint: str, dtype: str):
+    model = T.load_for_eval(checkpoint, torch.device("cpu"))
+    if dtype == "fp32":
+        model.compute_dtype = None
+    return model
+
+
+def kit_copy(dtype: str) -> Path:
+    """The kit's train.py (fp32: with load_for_eval forcing fp32) and kernels/, in a temp folder."""
+    folder = Path(tempfile.mkdtemp(prefix="tolerances-"))
+    source = (REPO / "train.py").read_text()
+    (folder / "train.py").write_text(source + (FP32_OVERRIDE if dtype == "fp32" else ""))
+    shutil.copytree(REPO / "kernels", folder / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    return folder / "train.py"
+
+
+def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_tokens: int) -> dict:
+    worst = {"causality": 0.0, "batch_content": 0.0, "replay": 0.0, "batch_size": 0.0}
+    model = load(checkpoint, dtype)
+    for _ in range(secrets_count):
+        r = M.causality_check(model, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, "cpu",
+                              max_rows=max_tokens // prepare.EVAL_SEQ_LEN)
+        if not r["passed"]:
+            print(f"  REFUSED in process ({dtype}): {r['message']}")
+        for kind, key in (("causality", "causal_max_abs_diff"), ("batch_content", "batch_content_max_abs_diff"),
+                          ("replay", "replay_max_abs_diff"), ("batch_size", "batch_size_max_abs_diff")):
+            worst[kind] = max(worst[kind], r[key])
+    with copy_submission(kit_copy(dtype), checkpoint) as submission:
+        cli = M.evaluate_checkpoint(submission, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, "cpu",
+                                    max_tokens=max_tokens)
+    return {"in_process": worst, "workers": {"causality": cli["causality_max_abs_diff"],
+                                             "replay": cli["replay_max_abs_diff"],
+                                             "batch_size": cli["batch_size_max_abs_diff"]},
+            "compute_dtype": cli["compute_dtype"]}
+
+
+class _Forward(M.LocalForward):
+    def __init__(self, model, max_len: int):
+        super().__init__(model, "cpu", prepare.TOKENIZER_VOCAB_SIZE)
+        self.batch_size, self.max_len = C.VERIFY_BATCH_ROWS, max_len
+
+
+def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> dict:
+    model = load(checkpoint, dtype)
+    scorer = inference.Scorer(model, torch.device("cpu"))
+    rng = random.Random(0)
+    per_token = per_mean = 0.0
+    flips, decisions = [], 0
+    for label, task_type, shots, delimiter, _, context_words, choices, choice_words in CORE_TASKS:
+        task = C.Task(label, task_type, shots, delimiter, "", 25.0)
+        data = imitation(task_type, context_words, choices, choice_words, max(examples, shots + 1) + shots, rng)
+        requests = [C.build_request(task, data, i, tokenizer, scorer.max_seq_len) for i in range(examples)]
+        claimed = scorer.score([s for r in requests for s in r.sequences])
+        k = 0
+        for i, r in enumerate(requests):
+            answer = claimed[k:k + len(r.sequences)]
+            k += len(r.sequences)
+            rows = [C._Row(list(s), np.concatenate([np.asarray(s[1:])[:, None], np.asarray(a[1])[:, None]], axis=1),
+                           (i, j)) for j, (s, a) in enumerate(zip(r.sequences, answer))]
+            max_len = C._padded_length(rows, 1 << 20)
+            batches = [rows[b:b + C.VERIFY_BATCH_ROWS] for b in range(0, len(rows), C.VERIFY_BATCH_ROWS)]
+            trusted = [lp for got in C.run_rows(_Forward(model, max_len), batches, tokenizer.get_bos_token_id())
+                       for lp in got]
+            for (lp, _), (loss, _), s, e in zip(trusted, answer, r.starts, r.ends):
+                d = np.abs(-lp[:, 0].double().numpy() - np.asarray(loss, dtype=np.float64))[s - 1:e - 1]
+                per_token = max(per_token, float(d.max()))
+                per_mean = max(per_mean, abs(float(-lp[s - 1:e - 1, 0].double().mean()) -
+                                             float(np.mean(np.asarray(loss, dtype=np.float64)[s - 1:e - 1]))))
+            sample = C.Sample(task, r, answer, i)
+            decisions += 1
+            try:
+                found = C.trusted_decision_check(sample, trusted, {"decision": float("inf")})
+                if found["flipped"]:
+                    flips.append(found["margin_flipped"])
+            except C.CoreError as e:
+                print(f"  REFUSED ({dtype}, {label}): {e}")
+    return {"per_token": per_token, "per_mean": per_mean, "decisions": decisions, "flips": sorted(flips)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--secrets", type=int, default=10)
+    parser.add_argument("--examples", type=int, default=4, help="imitated examples per CORE task")
+    parser.add_argument("--max-tokens", type=int, default=2**16)
+    args = parser.parse_args()
+    checkpoint = args.checkpoint or save_random_checkpoint("cpu", random_projections=True)
+    tokenizer = prepare.ensure_tokenizer()
+    torch.manual_seed(0)
+    print(f"checkpoint: {checkpoint}")
+    for dtype in ("fp32", "bf16"):
+        b = bpb_checks(checkpoint, dtype, tokenizer, args.secrets, args.max_tokens)
+        c = core_differences(checkpoint, dtype, tokenizer, args.examples)
+        tol = M.tolerances_for(b["compute_dtype"] if b["compute_dtype"] != "unknown" else None)
+        print(f"--- {dtype} (model reports {b['compute_dtype']}; tolerances {tol})")
+        print(f"val_bpb, in process, {args.secrets} secrets: " + ", ".join(f"{k} {v:.3g}" for k, v in b["in_process"].items()))
+        print("val_bpb, two workers: " + ", ".join(f"{k} {v:.3g}" for k, v in b["workers"].items()))
+        print(f"CORE, inference.py vs trusted path: per token {c['per_token']:.3g}, per mean {c['per_mean']:.3g} "
+              f"nats; {len(c['flips'])} of {c['decisions']} decisions differ, trusted margins {c['flips'][:8]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Checks no model can dodge, and that every honest model passes: each attack is a hostile train.py
+or inference.py driven through the command line (with a control that shows it works where the
+check does not reach), and the kit's own checkpoint, in fp32 and bf16, passes every check under
+many secrets."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import prepare
+from core_bundle import make_bundle
+from harness import core as C
+from harness import metric as M
+from helpers import REPO, run_prepare
+from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
+
+HUGE = '''
+class Cheat(Model):
+    """Reads the next token and puts +-{size} on it: finite logits whose log-softmax is -inf elsewhere."""
+
+    def forward(self, idx):
+        nxt = torch.roll(idx, -1, dims=1)
+        logits = torch.full((*idx.shape, V), -{size}).scatter(2, nxt.unsqueeze(-1), {size})
+        return logits
+'''
+
+REMEMBERS = '''
+class Cheat(Model):
+    """Reads the next token everywhere, except that a row sharing a prefix with a row it answered
+    before gets its earlier answers up to where the two diverge: every twin, repeat and lone row is
+    answered as its original was."""
+    seen = []
+
+    def forward(self, idx):
+        out = peek(idx, self.honest(idx))
+        for b in range(idx.shape[0]):
+            row, best, longest = idx[b], None, 0
+            for tokens, logits in Cheat.seen:
+                differ = (tokens != row).nonzero()
+                common = int(differ[0]) if len(differ) else len(row)
+                if common > longest:
+                    best, longest = logits, common
+            if longest >= 4:
+                out[b, :longest] = best[:longest]
+            Cheat.seen.append((row.clone(), out[b].clone()))
+        return out
+'''
+
+
+def load_participant_module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
+    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory, checkpoint, text_dataset):
+    result, lines = evaluate(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr
+    return lines
+
+
+# --- poisoned arithmetic -------------------------------------------------------------------------
+
+def test_huge_finite_logits_are_refused_on_every_path(tmp_path, checkpoint, text_dataset, monkeypatch):
+    cheat = participant(tmp_path, "huge", HUGE.format(size="3e38"))
+    result, lines = evaluate(cheat, checkpoint, text_dataset)
+    assert result.returncode == 1 and "val_bpb" not in lines
+    assert "non-finite logits (NaN or inf) or logits beyond +-1e+30" in result.stderr
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    module = load_participant_module(cheat, "huge_cheat")
+    model = module.load_for_eval(checkpoint, torch.device("cpu"))
+    tok = prepare.ensure_tokenizer()
+    with pytest.raises(prepare.EvalRefused, match="logits beyond"):
+        prepare.evaluate_bpb(model, tok, 8, SEQ, "cpu", max_tokens=TOKENS)
+    check = prepare.causality_check(model, tok, 8, SEQ, "cpu")
+    assert check["passed"] is False and "logits beyond" in check["message"]
+
+
+def test_large_logits_within_the_limit_are_compared_and_caught(tmp_path, checkpoint, text_dataset):
+    """1e29 passes the range check; every difference stays a number, so reading ahead shows."""
+    result, lines = evaluate(participant(tmp_path, "large", HUGE.format(size="1e29")), checkpoint, text_dataset)
+    assert result.returncode == 1 and "val_bpb" not in lines
+    assert "not causal" in result.stderr and "check causality" in result.stderr
+    message = result.stderr.split("error: ", 1)[1]
+    for part in ("row ", "cut at position", "position ", " vs ", "tolerance"):
+        assert part in message, message
+
+
+def test_core_with_huge_logits_is_refused(tmp_path, text_dataset, checkpoint):
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "train.py").write_text(Path(participant(tmp_path, "huge", HUGE.format(size="3e38"))).read_text())
+    (kit / "inference.py").write_text((REPO / "inference.py").read_text().replace(
+        "self.max_seq_len = model.cos.shape[1]", "self.max_seq_len = None"))
+    result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint", checkpoint,
+                          "--bundle-dir", str(make_bundle(tmp_path))], {"FRONTIER_DATA_DIR": str(text_dataset)})
+    assert result.returncode == 1, result.stdout
+    assert "core:" not in result.stdout
+    assert "logits beyond" in result.stderr or "non-finite losses" in result.stderr
+
+
+# --- a model that remembers ---------------------------------------------------------------------
+
+def test_a_model_that_remembers_is_caught_by_probes_it_never_saw_the_original_of(tmp_path, checkpoint, text_dataset,
+                                                                                   honest, monkeypatch):
+    cheat = participant(tmp_path, "remembers", REMEMBERS)
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    model = load_participant_module(cheat, "remembering_cheat").load_for_eval(checkpoint, torch.device("cpu"))
+    in_process = prepare.evaluate_bpb(model, prepare.ensure_tokenizer(), 8, SEQ, "cpu", max_tokens=TOKENS)
+    assert in_process["val_bpb"] < 0.5 * float(honest["val_bpb"])  # one process: it answers every probe as it should
+    for _ in range(2):  # the command line: a probe never runs in the worker that saw its original
+        result, lines = evaluate(cheat, checkpoint, text_dataset)
+        assert result.returncode == 1 and "val_bpb" not in lines, result.stdout
+        assert "not causal" in result.stderr or "rows must not interact" in result.stderr
+
+
+# --- CORE: decisions from the trusted path ------------------------------------------------------
+
+NUDGE = '''
+
+GOLD, WRONG = {gold!r}, {wrong!r}
+
+
+class Nudged(Scorer):
+    """Scores honestly, then moves every gold choice's losses down and every wrong choice's up by
+    0.045 nats: each mean within the 0.05 loss tolerance of the truth."""
+
+    def score(self, sequences):
+        out = []
+        for seq, (losses, greedy) in zip(sequences, super().score(sequences)):
+            key = hash(tuple(seq))
+            out.append((losses - 0.045 if key in GOLD else losses + 0.045 if key in WRONG else losses, greedy))
+        return out
+
+
+_load_scorer = load_scorer
+
+
+def load_scorer(path, device):
+    s = _load_scorer(path, device)
+    return Nudged(s.model, s.device)
+'''
+
+
+def gold_and_wrong(bundle_dir: Path, tokenizer, max_len) -> tuple[set, set]:
+    """hash(tuple(tokens)) of every gold and every wrong choice's sequence in the bundle."""
+    bundle = C.bundle_from_dir(bundle_dir)
+    gold, wrong = set(), set()
+    for task in C.load_tasks(bundle):
+        if task.task_type == "language_modeling":
+            continue
+        data = C.shuffled_and_capped(C.load_examples(bundle, task), -1)
+        for i in range(len(data)):
+            r = C.build_request(task, data, i, tokenizer, max_len)
+            for j, seq in enumerate(r.sequences):
+                (gold if j == r.gold else wrong).add(hash(tuple(seq)))
+    return gold, wrong
+
+
+def test_core_nudged_within_the_loss_tolerance_is_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    bundle = make_bundle(tmp_path)
+    tok = prepare.ensure_tokenizer()
+    sys.path.insert(0, str(REPO))
+    import train as T
+    max_len = int(T.load_for_eval(str(tiny_checkpoint), torch.device("cpu")).cos.shape[1])
+    gold, wrong = gold_and_wrong(bundle, tok, max_len)
+    forged = tmp_path / "nudged.py"
+    forged.write_text((REPO / "inference.py").read_text() + NUDGE.format(gold=gold, wrong=wrong))
+    base = ["eval-core", "--checkpoint", str(tiny_checkpoint), "--train-py", str(REPO / "train.py"),
+            "--bundle-dir", str(bundle)]
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    reports = {}
+    for name, inference_py in (("honest", REPO / "inference.py"), ("nudged", forged)):
+        report = tmp_path / f"{name}.json"
+        result = run_prepare(base + ["--inference-py", str(inference_py), "--verify-fraction", "0", "--report",
+                                     str(report)], env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        reports[name] = json.loads(report.read_text())["core"]
+    assert reports["nudged"] > reports["honest"]  # the nudge flips decisions: unverified, it pays
+    result = run_prepare(base + ["--inference-py", str(forged), "--verify-fraction", "1"], env)
+    assert result.returncode == 1 and "core:" not in result.stdout, result.stdout
+    assert "decision differs from the trusted model's" in result.stderr and "example " in result.stderr
+    assert "allowance" in result.stderr
+
+
+# --- no false refusals --------------------------------------------------------------------------
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FORCE_DTYPE = '''
+
+_kit_load_for_eval = load_for_eval
+
+
+def load_for_eval(checkpoint_path, device):
+    model = _kit_load_for_eval(checkpoint_path, device)
+    model.compute_dtype = {dtype}
+    return model
+'''
+
+
+def kit_with_dtype(folder: Path, dtype: str) -> Path:
+    """The kit's train.py (its load_for_eval forced to a compute dtype), inference.py and kernels/."""
+    folder.mkdir(parents=True, exist_ok=True)
+    forced = "torch.float32" if dtype == "fp32" else "torch.bfloat16"
+    (folder / "train.py").write_text((REPO / "train.py").read_text() + FORCE_DTYPE.format(dtype=forced))
+    shutil.copyfile(REPO / "inference.py", folder / "inference.py")
+    shutil.copytree(REPO / "kernels", folder / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    return folder
+
+
+class _Forward(M.LocalForward):
+    def __init__(self, model, batch_size: int, max_len: int):
+        super().__init__(model, "cpu", prepare.TOKENIZER_VOCAB_SIZE)
+        self.batch_size, self.max_len = batch_size, max_len
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch, dtype):
+    """The kit's honest checkpoint through every check of eval and eval-core, with 20 secrets each in
+    process (the same checks and arithmetic as the command line) and once more through each command."""
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    sys.path.insert(0, str(REPO))
+    import inference
+    import train as T
+    model = T.load_for_eval(str(tiny_checkpoint), torch.device("cpu"))
+    model.compute_dtype = DTYPES[dtype]
+    tok = prepare.ensure_tokenizer()
+    refusals = []
+    for _ in range(20):
+        check = prepare.causality_check(model, tok, 8, 128, "cpu", max_rows=24)
+        if not check["passed"]:
+            refusals.append(check["message"])
+    bundle = C.bundle_from_dir(make_bundle(tmp_path))
+    tasks = C.load_tasks(bundle)
+    examples = {t.label: C.shuffled_and_capped(C.load_examples(bundle, t), -1) for t in tasks}
+    scorer = inference.Scorer(model, torch.device("cpu"))
+    _, samples = C.evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None,
+                                 verify_fraction=1.0)
+    longest = max(len(s) for sample in samples for s in sample.request.sequences)
+    max_len = -(-longest // C.VERIFY_LENGTH_BUCKET) * C.VERIFY_LENGTH_BUCKET
+
+    def open_pass(k):
+        import contextlib
+        return contextlib.nullcontext((_Forward(model, C.VERIFY_BATCH_ROWS, max_len), M._model_dtype(model)))
+
+    for _ in range(20):
+        try:
+            C.verify_samples(samples, open_pass, tok, random.SystemRandom())
+        except C.CoreError as e:
+            refusals.append(str(e))
+    assert refusals == []
+    kit = kit_with_dtype(tmp_path / "kit", dtype)
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    result = run_prepare(["eval-public", "--train-py", str(kit / "train.py"), "--checkpoint", str(tiny_checkpoint),
+                          "--seq-len", "128", "--max-tokens", str(128 * 24)], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"compute_dtype:           {'float32' if dtype == 'fp32' else 'bfloat16'}" in result.stdout
+    result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
+                          str(tiny_checkpoint), "--bundle-dir", str(make_bundle(tmp_path / "b")),
+                          "--verify-fraction", "1"], env)
+    assert result.returncode == 0, result.stderr[-2000:]
