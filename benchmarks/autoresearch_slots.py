@@ -2,7 +2,7 @@
 the baseline's val_bpb when it trains in both slots at once against the same baseline alone in a slot.
 
     python benchmarks/autoresearch_slots.py              # the real budget, 300 s: about 55 min on 2 cores; run it alone
-    python benchmarks/autoresearch_slots.py --budget 5 --eval-tokens 8192 --experiments 1,2,1 \\
+    python benchmarks/autoresearch_slots.py --budget 10 --eval-tokens 8192 --experiments 1,2,1 \\
         --train-args "--depth 2 --aspect-ratio 32 --head-dim 32 --seq-len 128 --total-batch-size 1024"   # a quick check
 
 Three phases, each in a fresh clone of this repository's HEAD (the committed kit), each the loop as an
@@ -48,7 +48,7 @@ def run_loop(kit: Path, slots: int, queued: int, args, log) -> float:
     """Queue the baseline `queued` times, run the loop until they are done; its wall seconds."""
     loop = [sys.executable, "loop.py"]
     for _ in range(queued):
-        subprocess.run([*loop, "queue", "HEAD"], cwd=kit / "autoresearch", check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*loop, "queue", "HEAD", "--description", "baseline"], cwd=kit / "autoresearch", check=True, stdout=subprocess.DEVNULL)
     cmd = ["bash", "run.sh", "--slots", str(slots), "--budget", str(args.budget), "--eval-tokens", str(args.eval_tokens)]
     cmd += ["--device", args.device] if args.device else []
     cmd += ["--train-args", args.train_args] if args.train_args is not None else []
