@@ -5,15 +5,17 @@ the baseline's val_bpb when it trains in both slots at once against the same bas
     python benchmarks/autoresearch_slots.py --budget 10 --eval-tokens 8192 --experiments 1,2,1 \\
         --train-args "--depth 2 --aspect-ratio 32 --head-dim 32 --seq-len 128 --total-batch-size 1024"   # a quick check
 
-Three phases, each in a fresh clone of this repository's HEAD (the committed kit), each the loop as an
-agent runs it (`python loop.py queue` the unchanged baseline N times, then `bash run.sh --slots S`):
+Three phases in one clone of this repository's HEAD (the committed kit), each the loop as an agent
+runs it (`python loop.py queue` the unchanged baseline N times, then `bash run.sh --slots S`):
   1. slots 1          N1 experiments one after another, each with the whole machine (the loop before slots)
   2. slots 2, both    N2 experiments two at a time, each pinned to half the CPUs
   3. slots 2, alone   N3 experiments one at a time in a 2-slot loop: half the CPUs, the other half idle
-Experiments per hour: a phase's experiments over the wall time of its loop(s). The effect of a busy
-neighbour on a row: phase 2 against phase 3 (the same share of the machine); phase 1 is what the
-same baseline reaches with the whole machine. Every experiment is the same commit with the same
-seed, so their val_bpb differ only by what the load did to their steps in the same charged time.
+First, untimed, one short experiment in each slot fills the compile caches of both slots' checkouts,
+as they are after a session's first experiments. Experiments per hour: a phase's experiments over
+the wall time of its loop(s). The effect of a busy neighbour on a row: phase 2 against phase 3 (the
+same share of the machine); phase 1 is what the same baseline reaches with the whole machine. Every
+experiment is the same commit with the same seed, so their val_bpb differ only by what the load did
+to their steps in the same charged time.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = (("slots 1", 1, False), ("slots 2, both busy", 2, False), ("slots 2, alone", 2, True))
+WARM_UP_BUDGET = 20.0  # seconds: past the start-up steps (where compilation happens) and the save
+WARM_UP_EVAL_TOKENS = 8192
 
 
 def summary(log: str) -> dict:
@@ -44,12 +48,12 @@ def clone_kit(dest: Path) -> Path:
     return dest
 
 
-def run_loop(kit: Path, slots: int, queued: int, args, log) -> float:
+def run_loop(kit: Path, slots: int, queued: int, budget: float, eval_tokens: int, args, log) -> float:
     """Queue the baseline `queued` times, run the loop until they are done; its wall seconds."""
-    loop = [sys.executable, "loop.py"]
     for _ in range(queued):
-        subprocess.run([*loop, "queue", "HEAD", "--description", "baseline"], cwd=kit / "autoresearch", check=True, stdout=subprocess.DEVNULL)
-    cmd = ["bash", "run.sh", "--slots", str(slots), "--budget", str(args.budget), "--eval-tokens", str(args.eval_tokens)]
+        subprocess.run([sys.executable, "loop.py", "queue", "HEAD", "--description", "baseline"],
+                       cwd=kit / "autoresearch", check=True, stdout=subprocess.DEVNULL)
+    cmd = ["bash", "run.sh", "--slots", str(slots), "--budget", str(budget), "--eval-tokens", str(eval_tokens)]
     cmd += ["--device", args.device] if args.device else []
     cmd += ["--train-args", args.train_args] if args.train_args is not None else []
     log.write(f"$ {shlex.join(cmd)}\n")
@@ -62,19 +66,26 @@ def run_loop(kit: Path, slots: int, queued: int, args, log) -> float:
     return time.monotonic() - start
 
 
-def experiments(kit: Path) -> list[dict]:
-    """The phase's rows, each with its training summary (steps, tokens/s) from its run folder."""
-    runs = kit / "autoresearch" / "runs"
+def set_aside(kit: Path, dest: Path) -> list[dict]:
+    """Move the loop's table (and plot) to dest; its rows, each with its training summary (steps,
+    tokens/s) from its run folder."""
+    here = kit / "autoresearch"
     by_start = {}
-    for entry in runs.glob("*/entry.json"):
+    for entry in (here / "runs").glob("*/entry.json"):
         e = json.loads(entry.read_text())
         by_start[(str(e["slot"]), e["start"])] = entry.parent
-    with open(kit / "autoresearch" / "results.tsv", newline="") as f:
+    os.replace(here / "results.tsv", dest.with_suffix(".tsv"))
+    os.replace(here / "progress.png", dest.with_suffix(".png"))
+    with open(dest.with_suffix(".tsv"), newline="") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     for row in rows:
         run_dir = by_start[(row["slot"], row["start"])]
         row["run_dir"] = run_dir
         row.update({f"train_{k}": v for k, v in summary((run_dir / "train.log").read_text()).items()})
+    crashed = [r for r in rows if r["status"] == "crash"]
+    if crashed:
+        raise SystemExit(f"{dest.name}: {len(crashed)} experiment(s) crashed, e.g. {crashed[0]['description']} "
+                         f"(logs under {crashed[0]['run_dir']})")
     return rows
 
 
@@ -91,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-tokens", type=int, default=2**19, help="public_val tokens per score (the loop's default)")
     parser.add_argument("--device", default=None, help="default: the loop's (the fastest present)")
     parser.add_argument("--train-args", default=None, help="train.py flags (default: the loop's, --preset cpu on a CPU)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="where the clones and logs go (default: a new "
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the clone and logs go (default: a new "
                                                                      "temporary folder, kept)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.experiments.split(",")]
@@ -99,19 +110,20 @@ def main(argv=None) -> int:
         parser.error("--experiments takes three counts of at least 1, e.g. 2,4,2")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="autoresearch-slots-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"work folder: {work} (clones, loop logs, results.tsv and progress.png of each phase)", flush=True)
+    print(f"work folder: {work} (the clone, and each phase's loop log, results table and plot)", flush=True)
+    kit = clone_kit(work / "kit")
+    with open(work / "warm-up.log", "w") as log:
+        print(f"warm-up: one {WARM_UP_BUDGET:.0f} s experiment in each of 2 slots (not counted) ...", flush=True)
+        run_loop(kit, 2, 2, WARM_UP_BUDGET, WARM_UP_EVAL_TOKENS, args, log)
+    set_aside(kit, work / "warm-up")
     phases = []
     for (name, slots, alone), count in zip(PHASES, counts):
-        kit = clone_kit(work / name.replace(",", "").replace(" ", "-"))
-        with open(kit.with_suffix(".log"), "w") as log:
+        stem = work / name.replace(",", "").replace(" ", "-")
+        with open(stem.with_suffix(".log"), "w") as log:
             print(f"{name}: {count} experiment(s) ...", flush=True)
-            wall = sum(run_loop(kit, slots, 1, args, log) for _ in range(count)) if alone else \
-                run_loop(kit, slots, count, args, log)
-        rows = experiments(kit)
-        crashed = [r for r in rows if r["status"] == "crash"]
-        if crashed:
-            raise SystemExit(f"{name}: {len(crashed)} experiment(s) crashed, e.g. {crashed[0]['description']} "
-                             f"(logs under {crashed[0]['run_dir']})")
+            wall = sum(run_loop(kit, slots, 1, args.budget, args.eval_tokens, args, log) for _ in range(count)) \
+                if alone else run_loop(kit, slots, count, args.budget, args.eval_tokens, args, log)
+        rows = set_aside(kit, stem)
         phases.append((name, slots, wall, rows))
         print(f"  {len(rows)} in {wall / 60:.1f} min", flush=True)
 
