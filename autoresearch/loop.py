@@ -19,6 +19,7 @@ a commit not yet queued): then it moves at the next chance (`queue`, a result, t
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
@@ -61,9 +62,13 @@ def say(message: str) -> None:
         print("\n".join(f"[autoresearch] {line}" for line in message.splitlines()), flush=True)
 
 
-def git(*args: str, cwd: Path = KIT, check: bool = True) -> str:
+def git_run(*args: str, cwd: Path = KIT) -> subprocess.CompletedProcess:
     # its own session: Ctrl-C in the terminal reaches only the loop, never a git half-way through
-    result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, start_new_session=True)
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, start_new_session=True)
+
+
+def git(*args: str, cwd: Path = KIT, check: bool = True) -> str:
+    result = git_run(*args, cwd=cwd)
     if check and result.returncode != 0:
         raise LoopError(f"git {' '.join(args)} failed: {result.stderr.strip()}")
     return result.stdout.strip()
@@ -119,20 +124,31 @@ def enqueue(name: str, description: str | None) -> dict:
     return entry
 
 
-def claimed_entries() -> list[dict]:
-    """Every entry a loop has taken from the queue (each experiment's folder keeps its entry)."""
-    return [json.loads(p.read_text()) for p in RUNS.glob("*/entry.json")] if RUNS.exists() else []
+def read_entries(paths: list[Path]) -> list[dict]:
+    entries = []
+    for path in paths:
+        try:
+            entries.append(json.loads(path.read_text()))
+        except FileNotFoundError:  # a queued one the loop claimed meanwhile
+            pass
+    return entries
+
+
+def all_entries() -> list[dict]:
+    """Every commit handed to the loop: those queued, and those taken from the queue (each
+    experiment's folder keeps its entry)."""
+    queued = queue_entries()  # first: one claimed meanwhile is in its run folder by the second glob
+    return read_entries(queued + (list(RUNS.glob("*/entry.json")) if RUNS.exists() else []))
 
 
 # --- the branch --------------------------------------------------------------------------------
 
-def base_commit(rows: list[dict]) -> str | None:
+def base_commit(rows: list[dict], entries: list[dict]) -> str | None:
     """Where ideas start: the best kept commit; before any is kept, the first commit ever queued
     (the baseline)."""
     best = best_kept(rows)
     if best is not None:
         return best["commit"]
-    entries = claimed_entries() + [json.loads(p.read_text()) for p in queue_entries()]
     return min(entries, key=lambda e: e["queued_ns"])["commit"][:7] if entries else None
 
 
@@ -143,16 +159,15 @@ def current_branch() -> str | None:
 def settle_branch(branch: str) -> str | None:
     """Move `branch` to the base commit where that loses nothing; a line saying what happened, or
     None when it was there already. The caller holds TABLE_LOCK."""
-    rows = read_results(RESULTS)
-    target = base_commit(rows)
+    rows, entries = read_results(RESULTS), all_entries()
+    target = base_commit(rows, entries)
     if target is None:
         return None
     target_full = git("rev-parse", f"{target}^{{commit}}")
     if current_branch() != branch:  # checked out elsewhere or not at all: a ref move loses nothing
-        if git("rev-parse", branch) == target_full:
+        if git("rev-parse", "--quiet", "--verify", branch, check=False) == target_full:
             return None
-        result = subprocess.run(["git", "branch", "--force", branch, target_full], cwd=KIT, capture_output=True,
-                                text=True, start_new_session=True)
+        result = git_run("branch", "--force", branch, target_full)
         return f"moved {branch} to {target}" if result.returncode == 0 else \
             f"could not move {branch} to {target}: {result.stderr.strip()}"
     head = git("rev-parse", "HEAD")
@@ -160,13 +175,10 @@ def settle_branch(branch: str) -> str | None:
         return None
     if git("status", "--porcelain", "--untracked-files=no"):
         return f"{branch} stays at {head[:7]} for now (uncommitted changes); the best is {target}"
-    handed = {e["commit"][:7] for e in claimed_entries()} | {r["commit"] for r in rows} | \
-        {json.loads(p.read_text())["commit"][:7] for p in queue_entries()}
-    if head[:7] not in handed:
+    if head[:7] not in {e["commit"][:7] for e in entries} | {r["commit"] for r in rows}:
         return f"{branch} stays at {head[:7]} for now (a commit not yet queued); the best is {target}"
     # --keep: should files change under our feet meanwhile, it refuses rather than overwrite them
-    result = subprocess.run(["git", "reset", "--quiet", "--keep", target_full], cwd=KIT, capture_output=True,
-                            text=True, start_new_session=True)
+    result = git_run("reset", "--quiet", "--keep", target_full)
     if result.returncode != 0:
         return f"{branch} stays at {head[:7]} for now ({result.stderr.strip()}); the best is {target}"
     return f"moved {branch} from {head[:7]} to {target}"
@@ -313,16 +325,15 @@ def new_run_dir(commit: str, slot: Slot) -> Path:
 def claim(entry_path: Path, slot: Slot) -> Experiment:
     entry = json.loads(entry_path.read_text())
     run_dir = new_run_dir(entry["commit"], slot)
-    os.replace(entry_path, run_dir / "entry.json")
     exp = Experiment(entry["commit"], entry["description"], slot, run_dir, timestamp())
     write_json(run_dir / "entry.json", {**entry, "slot": slot.index, "start": exp.start})
+    entry_path.unlink()
     return exp
 
 
 def hold_loop_lock():
     """The one loop of this folder: two would train the same slots and the same queue."""
     RUNS.mkdir(parents=True, exist_ok=True)
-    import fcntl
     f = open(LOOP_LOCK, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -436,7 +447,6 @@ def queue_commits(args) -> int:
 
 
 def loop_is_running() -> bool:
-    import fcntl
     if not LOOP_LOCK.exists():
         return False
     with open(LOOP_LOCK) as f:
@@ -456,14 +466,11 @@ def show_status(args) -> int:
     best = best_kept(rows)
     print(f"best: {best['val_bpb']} at {best['commit']}" if best else "no kept experiment")
     alive = loop_is_running()
-    in_flight = [json.loads((d / "entry.json").read_text()) for d in sorted(RUNS.glob("*/"))
-                 if (d / "entry.json").exists() and not (d / "outcome.txt").exists()
-                 and not (d / "interrupted.txt").exists()] if RUNS.exists() else []
     if alive:
-        for e in in_flight:
+        for e in read_entries([p for p in sorted(RUNS.glob("*/entry.json")) if not (p.parent / "outcome.txt").exists()
+                               and not (p.parent / "interrupted.txt").exists()]):
             print(f"running in slot {e['slot']} since {e['start']}: {e['commit'][:7]} {e['description']}")
-    for p in queue_entries():
-        e = json.loads(p.read_text())
+    for e in read_entries(queue_entries()):
         print(f"queued: {e['commit'][:7]} {e['description']}")
     print("a loop is running" if alive else "no loop is running")
     return 0
