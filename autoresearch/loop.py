@@ -59,7 +59,10 @@ class LoopError(Exception):
 
 def say(message: str) -> None:
     with PRINT_LOCK:
-        print("\n".join(f"[autoresearch] {line}" for line in message.splitlines()), flush=True)
+        try:
+            print("\n".join(f"[autoresearch] {line}" for line in message.splitlines()), flush=True)
+        except BrokenPipeError:  # `run.sh | tee` after Ctrl-C took tee: stopping the slots matters more
+            pass
 
 
 def git_run(*args: str, cwd: Path = KIT) -> subprocess.CompletedProcess:
@@ -339,7 +342,9 @@ def hold_loop_lock():
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        raise LoopError(f"another loop is running experiments from {HERE} (pid {f.read().strip() or '?'}): "
+        pid = f.read().strip() or "?"
+        f.close()
+        raise LoopError(f"another loop is running experiments from {HERE} (pid {pid}): "
                         f"queue commits for it with `python loop.py queue`, or stop it first")
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
@@ -405,7 +410,8 @@ def schedule(slots: list[Slot], settings: Settings, wait: bool) -> int:
             time.sleep(POLL_SECONDS)
     finally:
         if running:  # Ctrl-C, SIGTERM, or the loop's own error: nothing may outlive it
-            say(f"stopping: the {len(running)} experiment(s) in flight are killed and get no row")
+            in_flight = sum(thread.is_alive() for thread, _ in running.values())
+            say(f"stopping: the {in_flight} experiment(s) in flight are killed and get no row")
             stop.set()
             for thread, _ in running.values():
                 thread.join()
@@ -419,8 +425,6 @@ def schedule(slots: list[Slot], settings: Settings, wait: bool) -> int:
         with locked(TABLE_LOCK):
             moved = settle_branch(settings.branch)
             rows = read_results(RESULTS)
-            if rows:
-                plot_progress(rows, PLOT)
         best = best_kept(rows)
         say((f"{moved}\n" if moved else "") + f"results: {RESULTS} ({len(rows)} rows), plot: {PLOT}, best: "
             + (f"{best['val_bpb']} at {best['commit']}" if best else "none kept yet"))
