@@ -125,7 +125,7 @@ def plot_progress(rows: list[dict], path: Path) -> None:
                  f"{sum(r['status'] == 'keep' for r in rows)} kept" + (f", best {best:.4f}" if best is not None else ""))
     ax.grid(alpha=0.3)
     if rows:
-        ax.legend(handles=handles, loc="upper right", fontsize="small")
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp)
