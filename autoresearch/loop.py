@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from results import FIELDS, TableError, append_result, best_kept, locked, plot_progress, read_results, timestamp
-from slots import MARKER, Slot, SlotError, kill_marked, pin_this_thread, plan_slots, run_logged, usable_cpus
+from slots import MARKER, Slot, SlotError, kill_marked, pin_this_thread, plan_slots, run_logged, usable_cores
 
 HERE = Path(__file__).resolve().parent
 KIT = HERE.parent  # the repository whose train.py the experiments edit
@@ -362,7 +362,7 @@ def run_queue(args) -> int:
     if device == "cuda":
         import torch
         cuda_count = torch.cuda.device_count()
-    slots = plan_slots(device, args.slots, os.environ, usable_cpus(), cuda_count)
+    slots = plan_slots(device, args.slots, os.environ, usable_cores(), cuda_count)
     train_args = shlex.split(args.train_args) if args.train_args is not None else \
         (["--preset", "cpu"] if device == "cpu" else [])
     settings = Settings(device, args.budget, args.timeout or 2 * args.budget, args.eval_tokens, train_args, branch)

@@ -66,10 +66,12 @@ def accelerator_pool(name: str, n: int, environ: dict) -> list[str]:
     return [str(i) for i in range(n)]
 
 
-def plan_slots(device: str, n: int, environ: dict, usable_cpus: list[int], cuda_count: int | None = None) -> list[Slot]:
+def plan_slots(device: str, n: int, environ: dict, cores: list[tuple[int, ...]],
+               cuda_count: int | None = None) -> list[Slot]:
     """The n slots for `device`. Neuron: one logical core each (NEURON_RT_VISIBLE_CORES), at the
     NEURON_LOGICAL_NC_CONFIG the environment sets (default 1). CUDA: one GPU each
-    (CUDA_VISIBLE_DEVICES). CPU: len(usable_cpus) // n CPUs each, pinned, OMP_NUM_THREADS to match."""
+    (CUDA_VISIBLE_DEVICES). CPU: len(cores) // n physical cores each (a core: the CPUs of its
+    hardware threads), pinned, with one torch thread per core (OMP_NUM_THREADS), torch's own default."""
     if n < 1:
         raise SlotError(f"--slots must be at least 1, not {n}")
     if device == "neuron":
@@ -82,19 +84,28 @@ def plan_slots(device: str, n: int, environ: dict, usable_cpus: list[int], cuda_
             raise SlotError(f"--slots {n}, but this machine has {cuda_count} CUDA GPU(s)")
         return [Slot(k, {"CUDA_VISIBLE_DEVICES": pool[k]}) for k in range(n)]
     if device == "cpu":
-        cpus = sorted(usable_cpus)
-        per = len(cpus) // n
+        per = len(cores) // n
         if per == 0:
-            raise SlotError(f"--slots {n}, but this process may use only {len(cpus)} CPU(s) "
-                            f"({','.join(map(str, cpus))}): at most one slot per CPU")
-        return [Slot(k, {"OMP_NUM_THREADS": str(per)}, tuple(cpus[k * per:(k + 1) * per])) for k in range(n)]
+            raise SlotError(f"--slots {n}, but this process may use only {len(cores)} CPU core(s) "
+                            f"({' '.join(','.join(map(str, c)) for c in cores)}): at most one slot per core")
+        return [Slot(k, {"OMP_NUM_THREADS": str(per)}, tuple(sorted(cpu for core in cores[k * per:(k + 1) * per]
+                                                                    for cpu in core))) for k in range(n)]
     raise SlotError(f"unknown device {device!r}: neuron, cuda or cpu")
 
 
-def usable_cpus() -> list[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
+def usable_cores() -> list[tuple[int, ...]]:
+    """The physical cores this process may use, each as the usable CPUs of its hardware threads
+    (Linux topology; elsewhere, or unreadable, every CPU counts as a core)."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = {}
+    for cpu in usable:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+            key = tuple(sorted(set(int(i) for i in parse_id_list(siblings, "thread_siblings_list")) & set(usable)))
+        except (OSError, ValueError, SlotError):
+            key = (cpu,)
+        cores.setdefault(key or (cpu,), None)
+    return sorted(cores)
 
 
 def pin_this_thread(slot: Slot) -> bool:

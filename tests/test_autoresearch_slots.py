@@ -113,32 +113,36 @@ def alive(pid):
 
 # --- the plan of slots, and the table --------------------------------------------------------
 
-def test_cpu_slots_split_the_cpus():
-    assert [(s.cpus, s.env) for s in slots.plan_slots("cpu", 2, {}, [0, 1])] == \
+def test_cpu_slots_split_the_cores():
+    assert [(s.cpus, s.env) for s in slots.plan_slots("cpu", 2, {}, [(0,), (1,)])] == \
         [((0,), {"OMP_NUM_THREADS": "1"}), ((1,), {"OMP_NUM_THREADS": "1"})]
-    assert [s.cpus for s in slots.plan_slots("cpu", 2, {}, [4, 5, 6, 7, 8])] == [(4, 5), (6, 7)]
-    assert slots.plan_slots("cpu", 1, {}, [0, 1])[0].env == {"OMP_NUM_THREADS": "2"}
-    with pytest.raises(slots.SlotError, match="at most one slot per CPU"):
-        slots.plan_slots("cpu", 3, {}, [0, 1])
+    assert [s.cpus for s in slots.plan_slots("cpu", 2, {}, [(4,), (5,), (6,), (7,), (8,)])] == [(4, 5), (6, 7)]
+    assert slots.plan_slots("cpu", 1, {}, [(0,), (1,)])[0].env == {"OMP_NUM_THREADS": "2"}
+    smt = slots.plan_slots("cpu", 2, {}, [(0, 4), (1, 5), (2, 6), (3, 7)])  # hyperthread siblings stay together
+    assert [(s.cpus, s.env["OMP_NUM_THREADS"]) for s in smt] == [((0, 1, 4, 5), "2"), ((2, 3, 6, 7), "2")]
+    with pytest.raises(slots.SlotError, match="at most one slot per core"):
+        slots.plan_slots("cpu", 3, {}, [(0,), (1,)])
+    cores = slots.usable_cores()  # this machine's: every usable CPU in exactly one core
+    assert sorted(cpu for core in cores for cpu in core) == sorted(os.sched_getaffinity(0))
 
 
 def test_accelerator_slots_get_one_device_each():
-    neuron = slots.plan_slots("neuron", 8, {}, [0])
+    neuron = slots.plan_slots("neuron", 8, {}, [(0,)])
     assert [s.env["NEURON_RT_VISIBLE_CORES"] for s in neuron] == [str(i) for i in range(8)]
     assert {s.env["NEURON_LOGICAL_NC_CONFIG"] for s in neuron} == {"1"} and neuron[0].cpus is None
-    lnc2 = slots.plan_slots("neuron", 4, {"NEURON_LOGICAL_NC_CONFIG": "2"}, [0])
+    lnc2 = slots.plan_slots("neuron", 4, {"NEURON_LOGICAL_NC_CONFIG": "2"}, [(0,)])
     assert [(s.env["NEURON_RT_VISIBLE_CORES"], s.env["NEURON_LOGICAL_NC_CONFIG"]) for s in lnc2] == \
         [("0", "2"), ("1", "2"), ("2", "2"), ("3", "2")]
-    some = slots.plan_slots("neuron", 2, {"NEURON_RT_VISIBLE_CORES": "4-5,7"}, [0])
+    some = slots.plan_slots("neuron", 2, {"NEURON_RT_VISIBLE_CORES": "4-5,7"}, [(0,)])
     assert [s.env["NEURON_RT_VISIBLE_CORES"] for s in some] == ["4", "5"]
     with pytest.raises(slots.SlotError, match="makes only 3 visible"):
-        slots.plan_slots("neuron", 4, {"NEURON_RT_VISIBLE_CORES": "4-5,7"}, [0])
-    assert [s.env for s in slots.plan_slots("cuda", 2, {"CUDA_VISIBLE_DEVICES": "GPU-ab,GPU-cd"}, [0])] == \
+        slots.plan_slots("neuron", 4, {"NEURON_RT_VISIBLE_CORES": "4-5,7"}, [(0,)])
+    assert [s.env for s in slots.plan_slots("cuda", 2, {"CUDA_VISIBLE_DEVICES": "GPU-ab,GPU-cd"}, [(0,)])] == \
         [{"CUDA_VISIBLE_DEVICES": "GPU-ab"}, {"CUDA_VISIBLE_DEVICES": "GPU-cd"}]
     with pytest.raises(slots.SlotError, match="has 1 CUDA GPU"):
-        slots.plan_slots("cuda", 2, {}, [0], cuda_count=1)
+        slots.plan_slots("cuda", 2, {}, [(0,)], cuda_count=1)
     with pytest.raises(slots.SlotError, match="at least 1"):
-        slots.plan_slots("cuda", 0, {}, [0])
+        slots.plan_slots("cuda", 0, {}, [(0,)])
 
 
 def _append_rows(args):
@@ -170,7 +174,7 @@ def test_a_table_of_the_old_format_is_refused(fake_kit):
 
 # --- the loop ----------------------------------------------------------------------------------
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU slots need two CPUs")
+@pytest.mark.skipif(len(slots.usable_cores()) < 2, reason="two CPU slots need two cores")
 def test_two_slots_pin_judge_and_kill_a_hang(fake_kit):
     assert loop(fake_kit, *run_args("--slots", "2")).returncode == 0  # an empty queue: HEAD, the baseline
     baseline = git(fake_kit, "rev-parse", "--short=7", "HEAD")
@@ -193,9 +197,10 @@ def test_two_slots_pin_judge_and_kill_a_hang(fake_kit):
     (b0, b1), (w0, w1) = [[datetime.fromisoformat(rows[ideas[n]][k]) for k in ("start", "end")]
                           for n in ("better", "worse")]
     assert max(b0, w0) < min(b1, w1)  # side by side
-    share = len(os.sched_getaffinity(0)) // 2
-    assert len(better["cpus"]) == len(worse["cpus"]) == share and not set(better["cpus"]) & set(worse["cpus"])
-    assert better["threads"] == worse["threads"] == str(share)
+    plan = {str(s.index): s for s in slots.plan_slots("cpu", 2, {}, slots.usable_cores())}
+    for info, row in ((better, rows[ideas["better"]]), (worse, rows[ideas["worse"]])):  # the child got its slot's
+        assert tuple(info["cpus"]) == plan[row["slot"]].cpus and info["threads"] == plan[row["slot"]].env["OMP_NUM_THREADS"]
+    assert not set(better["cpus"]) & set(worse["cpus"])
     hang = fake_info(fake_kit, ideas["hang"])
     assert not alive(hang["pid"]) and not alive(hang["child"])  # the child in its own session went too
     assert git(fake_kit, "rev-parse", "--short=7", "HEAD") == ideas["best"]
@@ -227,7 +232,7 @@ def wait_for(predicate, what, timeout=60):
         time.sleep(0.2)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU slots need two CPUs")
+@pytest.mark.skipif(len(slots.usable_cores()) < 2, reason="two CPU slots need two cores")
 def test_ctrl_c_stops_every_slot_and_keeps_the_table(fake_kit):
     quick = commit(fake_kit, "quick", VAL_BPB=1.5)
     hangs = [commit(fake_kit, f"hang {i}", HANG=True, VAL_BPB=3.0 + i) for i in range(3)]
