@@ -122,7 +122,8 @@ def plot_progress(rows: list[dict], path: Path) -> None:
     ax.set_xlabel(f"wall time ({unit} since the first experiment started)")
     ax.set_ylabel("val_bpb (lower is better)")
     ax.set_title(f"autoresearch: {len(rows)} experiments in {len(slots)} slot(s), "
-                 f"{sum(r['status'] == 'keep' for r in rows)} kept" + (f", best {best:.4f}" if best is not None else ""))
+                 f"{sum(r['status'] == 'keep' for r in rows)} kept"
+                 + (f", best {best:.4f}" if best is not None else ""))
     ax.grid(alpha=0.3)
     if rows:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")

@@ -99,9 +99,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--budget", type=float, default=300.0, help="charged training seconds per experiment")
     parser.add_argument("--experiments", default="2,4,2", help="experiments in phases 1, 2 and 3 (default 2,4,2)")
-    parser.add_argument("--eval-tokens", type=int, default=2**19, help="public_val tokens per score (the loop's default)")
+    parser.add_argument("--eval-tokens", type=int, default=2**19,
+                        help="public_val tokens per score (the loop's default)")
     parser.add_argument("--device", default=None, help="default: the loop's (the fastest present)")
-    parser.add_argument("--train-args", default=None, help="train.py flags (default: the loop's, --preset cpu on a CPU)")
+    parser.add_argument("--train-args", default=None,
+                        help="train.py flags (default: the loop's, --preset cpu on a CPU)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the clone and logs go (default: a new "
                                                                      "temporary folder, kept)")
     args = parser.parse_args(argv)
@@ -143,10 +145,12 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, _, _, rows in phases:
         for r in rows:
-            print(f"| {name} | {r['slot']} | {r['start']} | {r['end']} | {r['val_bpb']} | {r.get('train_num_steps', '-')} "
-                  f"| {r.get('train_tokens_per_second', '-')} | {r.get('train_charged_seconds', '-')} |")
+            print(f"| {name} | {r['slot']} | {r['start']} | {r['end']} | {r['val_bpb']} "
+                  f"| {r.get('train_num_steps', '-')} | {r.get('train_tokens_per_second', '-')} "
+                  f"| {r.get('train_charged_seconds', '-')} |")
     both, alone = ([float(r["val_bpb"]) for r in phases[i][3]] for i in (1, 2))
-    print(f"\nbaseline val_bpb, two at once minus alone in a slot: {statistics.mean(both) - statistics.mean(alone):+.4f} "
+    print(f"\nbaseline val_bpb, two at once minus alone in a slot: "
+          f"{statistics.mean(both) - statistics.mean(alone):+.4f} "
           f"(means of {len(both)} and {len(alone)}); spread (max - min) at once {max(both) - min(both):.4f}, "
           f"alone {max(alone) - min(alone):.4f}")
     print(f"experiments per hour, slots 2 over slots 1: "

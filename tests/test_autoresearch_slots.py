@@ -199,7 +199,8 @@ def test_two_slots_pin_judge_and_kill_a_hang(fake_kit):
     assert max(b0, w0) < min(b1, w1)  # side by side
     plan = {str(s.index): s for s in slots.plan_slots("cpu", 2, {}, slots.usable_cores())}
     for info, row in ((better, rows[ideas["better"]]), (worse, rows[ideas["worse"]])):  # the child got its slot's
-        assert tuple(info["cpus"]) == plan[row["slot"]].cpus and info["threads"] == plan[row["slot"]].env["OMP_NUM_THREADS"]
+        slot = plan[row["slot"]]
+        assert tuple(info["cpus"]) == slot.cpus and info["threads"] == slot.env["OMP_NUM_THREADS"]
     assert not set(better["cpus"]) & set(worse["cpus"])
     hang = fake_info(fake_kit, ideas["hang"])
     assert not alive(hang["pid"]) and not alive(hang["child"])  # the child in its own session went too
@@ -242,8 +243,8 @@ def test_ctrl_c_stops_every_slot_and_keeps_the_table(fake_kit):
     proc = subprocess.Popen([sys.executable, "loop.py", *run_args("--slots", "2", "--wait")],
                             cwd=fake_kit / "autoresearch", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: len(list(runs.glob("*/fake.json"))) == 3 and (fake_kit / "autoresearch" / "results.tsv").exists(),
-                 "two hangs running and the quick row written")
+        wait_for(lambda: len(list(runs.glob("*/fake.json"))) == 3 and (fake_kit / "autoresearch" / "results.tsv")
+                 .exists(), "two hangs running and the quick row written")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
