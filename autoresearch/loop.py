@@ -334,6 +334,12 @@ def claim(entry_path: Path, slot: Slot) -> Experiment:
     return exp
 
 
+def unfinished_runs() -> list[Path]:
+    """The entries of experiments started but neither recorded nor marked interrupted."""
+    return [p for p in sorted(RUNS.glob("*/entry.json")) if not (p.parent / "outcome.txt").exists()
+            and not (p.parent / "interrupted.txt").exists()] if RUNS.exists() else []
+
+
 def hold_loop_lock():
     """The one loop of this folder: two would train the same slots and the same queue."""
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -372,6 +378,12 @@ def run_queue(args) -> int:
         left = kill_marked(str(RUNS) + os.sep)
         if left:
             say(f"stopped {len(left)} process(es) an earlier loop left running: {sorted(left)}")
+        abandoned = unfinished_runs()
+        for path in abandoned:  # their loop died without a word: they stay out of the table, and say so
+            (path.parent / "interrupted.txt").write_text("its loop ended before it finished: no row\n")
+        if abandoned:
+            say("not recorded, their loop ended before they finished (queue them again to train them): "
+                + " ".join(json.loads(p.read_text())["commit"][:7] for p in abandoned))
         if not queue_entries():
             require_committed()
             enqueue("HEAD", args.description)
@@ -471,8 +483,7 @@ def show_status(args) -> int:
     print(f"best: {best['val_bpb']} at {best['commit']}" if best else "no kept experiment")
     alive = loop_is_running()
     if alive:
-        for e in read_entries([p for p in sorted(RUNS.glob("*/entry.json")) if not (p.parent / "outcome.txt").exists()
-                               and not (p.parent / "interrupted.txt").exists()]):
+        for e in read_entries(unfinished_runs()):
             print(f"running in slot {e['slot']} since {e['start']}: {e['commit'][:7]} {e['description']}")
     for e in read_entries(queue_entries()):
         print(f"queued: {e['commit'][:7]} {e['description']}")

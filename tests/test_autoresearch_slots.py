@@ -279,4 +279,6 @@ def test_a_second_loop_is_refused_and_leftovers_are_stopped(fake_kit):
     commit(fake_kit, "quick", HANG=False)
     result = loop(fake_kit, *run_args())
     assert result.returncode == 0 and "an earlier loop left running" in result.stdout, result.stdout
+    assert f"their loop ended before they finished (queue them again to train them): {hang}" in result.stdout
+    assert [r["commit"] for r in table(fake_kit)] == [git(fake_kit, "rev-parse", "--short=7", "HEAD")]
     wait_for(lambda: not alive(info["pid"]) and not alive(info["child"]), "the leftovers to go", timeout=10)
