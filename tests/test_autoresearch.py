@@ -6,14 +6,18 @@ import os
 import shutil
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 
 from conftest import TINY_TRAIN_ARGS
 from helpers import REPO
 
+sys.path.insert(0, str(REPO / "autoresearch"))
+import slots  # noqa: E402
+
 KIT_FILES = ["prepare.py", "harness", "train.py", ".gitignore", "tokenizer", "kernels", "autoresearch/loop.py",
-             "autoresearch/run.sh", "autoresearch/program.md"]
+             "autoresearch/slots.py", "autoresearch/results.py", "autoresearch/run.sh", "autoresearch/program.md"]
 FROZEN = {f"\n    {name}: float = {value} ": f"\n    {name}: float = 0.0 " for name, value in
           (("embedding_lr", 0.6), ("unembedding_lr", 0.004), ("matrix_lr", 0.04), ("scalar_lr", 0.5))}
 
@@ -61,6 +65,7 @@ def rows(repo):
         return list(csv.DictReader(f, delimiter="\t"))
 
 
+@pytest.mark.slow
 def test_keep_discard_crash_and_timeout(kit_repo, text_dataset):
     frozen = edit_and_commit(kit_repo, FROZEN, "baseline with frozen weights")
     assert run_loop(kit_repo, text_dataset, "--timeout", "120").returncode == 0
@@ -78,12 +83,13 @@ def test_keep_discard_crash_and_timeout(kit_repo, text_dataset):
                                       "    recipe, options, notes = parse_command_line(argv)\n    time.sleep(120)\n"},
                            "hangs")
     result = run_loop(kit_repo, text_dataset, "--timeout", "10")
-    assert result.returncode == 0 and "timeout: killed after 10s" in result.stdout
+    assert result.returncode == 0 and "timeout: train.py killed after 10s" in result.stdout
     assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better
 
     r = rows(kit_repo)
     assert [x["commit"] for x in r] == [frozen, better, worse, broken, slow]
     assert [x["status"] for x in r] == ["keep", "keep", "discard", "crash", "crash"]
+    assert {x["slot"] for x in r} == {"0"}
     assert float(r[1]["val_bpb"]) < float(r[0]["val_bpb"]) < float(r[0]["val_bpb"]) + 1
     assert float(r[2]["val_bpb"]) > float(r[1]["val_bpb"])
     assert r[3]["val_bpb"] == r[4]["val_bpb"] == "0.000000"
@@ -104,3 +110,59 @@ def test_uncommitted_changes_are_refused(kit_repo, text_dataset):
     result = run_loop(kit_repo, text_dataset)
     assert result.returncode == 1 and "commit the experiment first" in result.stderr
     assert not (kit_repo / "autoresearch" / "results.tsv").exists()
+
+
+STEPS = "\n    max_steps: int = 0 "
+
+
+def times(row: dict) -> tuple[datetime, datetime]:
+    return datetime.fromisoformat(row["start"]), datetime.fromisoformat(row["end"])
+
+
+def within(a: dict, b: dict) -> bool:
+    """a started and ended while b ran (to the second), ending strictly before b."""
+    (a0, a1), (b0, b1) = times(a), times(b)
+    return b0 <= a0 <= a1 < b1
+
+
+def overlap(a: dict, b: dict) -> bool:
+    (a0, a1), (b0, b1) = times(a), times(b)
+    return max(a0, b0) < min(a1, b1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(slots.usable_cores()) < 2, reason="two CPU slots need two cores")
+def test_two_slots_at_once(kit_repo, text_dataset):
+    """The baseline, then three sibling ideas in two slots: a syntax error crashes in one slot
+    while the other trains; the better and the worse idea train at the same time; the branch ends
+    at the better. Steps are fixed (the budget is far away), so better and worse do not hang on load."""
+    baseline = edit_and_commit(kit_repo, {STEPS: "\n    max_steps: int = 10 "}, "baseline: 10 steps")
+    result = run_loop(kit_repo, text_dataset, "--slots", "2", "--budget", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    def idea(replacements, message):
+        commit = edit_and_commit(kit_repo, replacements, message)
+        queued = subprocess.run([sys.executable, "loop.py", "queue"], cwd=kit_repo / "autoresearch",
+                                capture_output=True, text=True)
+        assert queued.returncode == 0, queued.stderr
+        assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == baseline  # the next idea starts from the best
+        return commit
+
+    broken = idea({"def main(argv=None) -> int:": "def main(argv=None) -> int\n"}, "syntax error")
+    better = idea({"\n    max_steps: int = 10 ": "\n    max_steps: int = 30 "}, "30 steps")
+    worse = idea(FROZEN, "frozen weights")
+    result = run_loop(kit_repo, text_dataset, "--slots", "2", "--budget", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    r = {x["commit"]: x for x in rows(kit_repo)}
+    assert list(r)[0] == baseline and set(r) == {baseline, broken, better, worse}
+    assert [r[c]["status"] for c in (baseline, broken, better, worse)] == ["keep", "crash", "keep", "discard"]
+    assert float(r[better]["val_bpb"]) < float(r[baseline]["val_bpb"]) < float(r[worse]["val_bpb"])
+    assert "SyntaxError" in r[broken]["description"]
+    assert r[broken]["slot"] != r[better]["slot"] and within(r[broken], r[better])  # it crashed while better trained
+    assert r[better]["slot"] != r[worse]["slot"] and overlap(r[better], r[worse])  # trained at the same time
+    assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better
+    assert git(kit_repo, "status", "--porcelain") == ""
+    # both slots trained, each pinned to its share (that the processes got it: test_autoresearch_slots.py)
+    headers = {log.read_text().splitlines()[0] for log in (kit_repo / "autoresearch" / "runs").glob("*/train.log")}
+    assert headers == {f"# {s.describe()}" for s in slots.plan_slots("cpu", 2, {}, slots.usable_cores())}
