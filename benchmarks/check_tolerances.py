@@ -120,7 +120,7 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
             sample = C.Sample(task, r, answer, i)
             decisions += 1
             try:
-                found = C.trusted_decision_check(sample, trusted, {"decision": float("inf")})
+                found = C.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"), "exact_match": float("inf")}})
                 if found["flipped"]:
                     flips.append(found["margin_flipped"])
             except C.CoreError as e:

@@ -7,8 +7,9 @@ in rotating order, so a shared machine's noise hits all three.
 
 Without a checkpoint, a freshly initialised CPU-preset model is saved and used (speed does not
 depend on the weights). All paths use the active dataset's public_val and the official context.
-Printed: the scoring time of each (best of the rounds; model load excluded), the worker's start
-(interpreter and imports), the sandbox's set-up on its own, and the copy of the submission."""
+Printed: the time of each, rows to result (best of the rounds; in process: the model's load excluded,
+contained: both workers' start and load included), the worker's start (interpreter and imports),
+the sandbox's set-up on its own, the copy of the submission, and what the second worker costs."""
 import argparse
 import os
 import sys
@@ -39,7 +40,7 @@ def main():
     checkpoint = args.checkpoint or save_random_checkpoint("cpu")
     tokenizer = prepare.ensure_tokenizer()
     seq = prepare.EVAL_SEQ_LEN
-    times = {k: [] for k in (*MODES, "total", "start", "sandbox", "copy")}
+    times = {k: [] for k in (*MODES, "total", "start", "sandbox", "copy", "second_load", "second_pass")}
     numbers = {}
     for r in range(args.rounds):
         for mode in MODES[r % 3:] + MODES[:r % 3]:
@@ -58,6 +59,8 @@ def main():
                     times["start"].append(result["worker_start_seconds"])
                     times["sandbox"].append(result["sandbox_seconds"])
                     times["copy"].append(copied)
+                    times["second_load"].append(result["workers"][1]["load_seconds"])
+                    times["second_pass"].append(result["pass_seconds"][1])
             times[mode].append(result["eval_seconds"])
             numbers[mode] = result["val_bpb"]
             print(f"round {r} {mode:<10}: eval {result['eval_seconds']:6.1f}s, wall {time.time() - t0:6.1f}s, "
@@ -68,12 +71,14 @@ def main():
     print(f"tokens:                  {args.max_tokens}")
     print(f"same_number:             {len(set(numbers.values())) == 1}")
     print(f"in_process_seconds:      {best['in_process']:.1f}  (best of {args.rounds})")
-    print(f"worker_seconds:          {best['worker']:.1f}  (a worker without its sandbox; model load excluded)")
-    print(f"contained_seconds:       {best['contained']:.1f}  (the official path; model load excluded)")
+    print(f"worker_seconds:          {best['worker']:.1f}  (two workers without their sandbox; their start and load included)")
+    print(f"contained_seconds:       {best['contained']:.1f}  (the official path: two sandboxed workers, start and load included)")
     print(f"contained_total_seconds: {best['total']:.1f}  (copy, worker start, sandbox and model load included)")
     print(f"worker_start_seconds:    {best['start']:.2f}  (interpreter, numpy and torch imports)")
     print(f"sandbox_setup_seconds:   {best['sandbox']:.4f}  (the rules and applying them)")
     print(f"copy_seconds:            {best['copy']:.2f}  (train.py, kernels/ and the checkpoint, hashed)")
+    print(f"second_worker_seconds:   {best['second_load']:.2f} to start and load, {best['second_pass']:.1f} for its pass "
+          "(the probes of the first pass's rows never run where those rows did)")
     print(f"worker_overhead:         {100 * (best['worker'] / best['in_process'] - 1):+.1f} %")
     print(f"contained_overhead:      {100 * (best['contained'] / best['in_process'] - 1):+.1f} %")
 
