@@ -699,12 +699,16 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
     deadline = time.monotonic() + args.timeout
     protected = [bundle.source] if bundle.sha256 is not None else []
     not_official: list[str] = []
+    workers: list[dict] = []  # what each worker cost: its start, its load, all of it
     verification, failure = None, ""
     with copy_submission(train_py if train_py.is_file() else None, args.checkpoint,
                          inference_py=inference_py) as submission:
         try:
+            t_worker = time.time()
             with Worker("scorer", submission, device, deadline=deadline, label="inference.py", local_rank=local_rank,
                         tokenizer=tokenizer, protected=protected, use_sandbox=not args.no_sandbox) as w:
+                workers.append({"label": "inference.py", "start_seconds": w.start_seconds,
+                                "load_seconds": time.time() - t_worker})
                 not_official += w.not_official_because
                 say(f"[core] {len(tasks)} tasks, max {args.max_per_task if args.max_per_task > 0 else 'all'} examples "
                     f"each, device {w.info['device']} x {world_size}, verifying {args.verify_fraction:.0%} of the "
@@ -713,21 +717,25 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
                                                 w.info["max_seq_len"], args.examples_per_call, log=say, rank=rank,
                                                 world_size=world_size, verify_fraction=args.verify_fraction, rng=rng)
                 report_device = w.info["device"]
+            workers[-1]["seconds"] = time.time() - t_worker
             if args.verify_fraction > 0:
                 longest = max((len(s) for sample in samples for s in sample.request.sequences), default=2)
                 max_len = -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET
 
                 @contextlib.contextmanager
                 def open_pass(k: int):
-                    with Worker("model", submission, device, deadline=deadline, label=f"train.py{'' if k == 0 else '.2'}",
-                                local_rank=local_rank, tokenizer=tokenizer, protected=protected,
-                                use_sandbox=not args.no_sandbox) as w:
+                    t_worker, label = time.time(), f"train.py{'' if k == 0 else '.2'}"
+                    with Worker("model", submission, device, deadline=deadline, label=label, local_rank=local_rank,
+                                tokenizer=tokenizer, protected=protected, use_sandbox=not args.no_sandbox) as w:
+                        workers.append({"label": label, "start_seconds": w.start_seconds,
+                                        "load_seconds": time.time() - t_worker})
                         not_official.extend(w.not_official_because)
                         forward = ModelForward(w, VERIFY_BATCH_ROWS, max_len, tokenizer.get_vocab_size())
                         try:
                             yield forward, w.info["compute_dtype"]
                         finally:
                             forward.close()
+                    workers[-1]["seconds"] = time.time() - t_worker
 
                 try:
                     verification = verify_samples(samples, open_pass, tokenizer, rng)
@@ -757,7 +765,7 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
                    "checkpoint": str(args.checkpoint), "checkpoint_sha256": hashes["checkpoint"],
                    "train_py": str(train_py), "train_py_sha256": hashes.get("train_py"),
                    "inference_py_sha256": hashes["inference_py"], "kernels_sha256": hashes.get("kernels"),
-                   "tokenizer_sha256": tokenizer.sha256, "verify": verification})
+                   "tokenizer_sha256": tokenizer.sha256, "verify": verification, "workers": workers})
     report_path = Path(args.report) if args.report else Path(args.checkpoint).resolve().parent / "core_report.json"
     atomic_write_json(report_path, report)
     print("---")

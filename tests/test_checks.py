@@ -48,7 +48,7 @@ class Cheat(Model):
                 common = int(differ[0]) if len(differ) else len(row)
                 if common > longest:
                     best, longest = logits, common
-            if longest >= 4:
+            if longest >= 1:
                 out[b, :longest] = best[:longest]
             Cheat.seen.append((row.clone(), out[b].clone()))
         return out
@@ -279,3 +279,64 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
                           str(tiny_checkpoint), "--bundle-dir", str(make_bundle(tmp_path / "b")),
                           "--verify-fraction", "1"], env)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# --- the plan of an official run ------------------------------------------------------------------
+
+def test_an_official_run_cuts_every_position_and_no_probe_meets_its_original():
+    """20,480 rows of 1,024 + 1 tokens (the official count and context): 1,280 probes, 1,120 of them
+    twins whose cuts cover all 1,023 positions; each probe runs in the pass that does not score its
+    row, and a twin's other text comes from rows that pass does not score either."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(len(prepare.SPECIAL_TOKENS), 8192, size=(20480, 1025)).astype(np.int32)
+    scorer = M._Scorer(rows, np.ones(8192, dtype=np.int64), 8, 8192 - len(prepare.SPECIAL_TOKENS), float("inf"),
+                       np.random.default_rng(1))
+    twins = [p for p in scorer.probes if p.cut < 1024]
+    assert len(scorer.probes) == 1280 and len(twins) == 1120
+    assert {p.cut for p in twins} == set(range(1, 1024))
+    assert int(scorer.side.sum()) == 10240
+    text = {side: rows[scorer.side == side, :1024].tobytes() for side in (0, 1)}
+    for p in twins[:20]:  # the text after the cut is a stretch of rows of the original's side, not of the other
+        tail = p.inputs[p.cut:].tobytes()
+        assert text[int(scorer.side[p.row])].find(tail) % 4 == 0 and text[1 - int(scorer.side[p.row])].find(tail) == -1
+
+
+class RecordingForward:
+    """Uniform logits for any batch, and a log of what each pass ran."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.pending = vocab, []
+
+    def submit(self, rows):
+        self.pending.append(np.zeros((*rows.shape, self.vocab), dtype=np.float32))
+
+    def result(self):
+        return self.pending.pop(0)
+
+
+def test_a_probe_never_runs_in_the_pass_that_scores_its_row():
+    import contextlib
+    rng = np.random.default_rng(2)
+    rows = rng.integers(9, 64, size=(50, 17)).astype(np.int32)
+    scorer = M._Scorer(rows, np.ones(64, dtype=np.int64), 4, 55, float("inf"), np.random.default_rng(3))
+    seen = {0: {"scored": set(), "probed": set()}, 1: {"scored": set(), "probed": set()}}
+    submit = scorer._submit
+    current = {"pass": 0}
+
+    def recording_submit(forward, batch):
+        if batch.purpose == "score":
+            seen[current["pass"]]["scored"].update(batch.rows)
+            seen[current["pass"]]["probed"].update(p.row for p in batch.probes)
+        return submit(forward, batch)
+
+    scorer._submit = recording_submit
+
+    def open_pass(k):
+        current["pass"] = k
+        return contextlib.nullcontext((RecordingForward(64), "float32"))
+
+    scorer.run(open_pass)
+    for k in (0, 1):
+        assert seen[k]["scored"] and not seen[k]["scored"] & seen[k]["probed"]
+        assert seen[k]["probed"] <= seen[1 - k]["scored"]
+    assert seen[0]["scored"] | seen[1]["scored"] == set(range(50)) and scorer.checks.probes >= 16
