@@ -115,7 +115,7 @@ class Child:
         self.outputs: list[np.ndarray] = []
 
     def hello(self, msg: dict) -> dict:
-        return {"sys_path": [p for p in sys.path if p]}
+        return {"sys_path": [os.path.abspath(p) for p in sys.path if p]}
 
     def sandbox(self, msg: dict) -> dict:
         """Apply the sandbox the harness asked for; any failure is an error (the harness then stops:

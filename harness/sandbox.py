@@ -75,7 +75,12 @@ WRITE_ALL = (1 << 16) - 1  # everything, inside the private folder
 # Read (and execute) roots besides the interpreter's own: shared libraries, the C compiler that
 # torch.compile calls, certificates and locale data, /sys (CPU topology, PCI devices), /proc (see
 # the module docstring: ptrace checks guard other processes' sensitive files).
-SYSTEM_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/sys", "/proc")
+SYSTEM_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt", "/sys", "/proc")
+# Of /etc, only what the dynamic loader, the C library and Python read (no /etc/shadow, no secrets).
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/timezone",
+             "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/host.conf", "/etc/hosts", "/etc/gai.conf",
+             "/etc/os-release", "/etc/mime.types", "/etc/alternatives", "/etc/ssl/certs", "/etc/ca-certificates",
+             "/etc/ld.so.preload")
 DEVICE_GLOBS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/dri/*", "/dev/neuron*")  # accelerators
 PLAIN_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 
@@ -175,7 +180,6 @@ PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 4, 36, 1
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
-AF_UNIX, AF_NETLINK, AF_PACKET = 1, 16, 17
 
 # Syscall numbers by machine: (audit arch, {name: number}). x86_64 from arch/x86/entry/syscalls/
 # syscall_64.tbl; aarch64 from the generic table (include/uapi/asm-generic/unistd.h).
@@ -185,29 +189,41 @@ SYSCALLS = {
         "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semtimedop": 220,
         "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244,
         "mq_getsetattr": 245, "add_key": 248, "request_key": 249, "keyctl": 250,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "setsid": 112, "setpgid": 109, "unshare": 272, "setns": 308, "perf_event_open": 298, "bpf": 321,
         "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198,
         "fremovexattr": 199, "setxattrat": 463, "removexattrat": 466,
         "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260, "fchmodat": 268,
         "fchmodat2": 452, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
-        "socket": 41}),
+        "socket": 41, "ioctl": 16}),
     "aarch64": (0xC00000B7, {
         "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
         "mq_getsetattr": 185, "msgget": 186, "msgctl": 187, "msgrcv": 188, "msgsnd": 189, "semget": 190,
         "semctl": 191, "semtimedop": 192, "semop": 193, "shmget": 194, "shmctl": 195, "shmat": 196, "shmdt": 197,
         "add_key": 217, "request_key": 218, "keyctl": 219,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "setsid": 157, "setpgid": 154, "unshare": 97, "setns": 268, "perf_event_open": 241, "bpf": 280,
         "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16,
         "setxattrat": 463, "removexattrat": 466,
         "fchmod": 52, "fchmodat": 53, "fchownat": 54, "fchown": 55, "utimensat": 88, "fchmodat2": 452,
-        "socket": 198}),
+        "socket": 198, "ioctl": 29}),
 }
+# Refused (EPERM): state that outlives a process or is shared between processes (System V IPC, POSIX
+# message queues, kernel keyrings); io_uring (its operations bypass this filter: sockets, xattrs);
+# leaving the worker's process group or its namespaces (the harness kills the whole group at once);
+# perf events and BPF.
 DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
           "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
-          "mq_getsetattr", "add_key", "request_key", "keyctl")
+          "mq_getsetattr", "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter",
+          "io_uring_register", "setsid", "setpgid", "unshare", "setns", "perf_event_open", "bpf")
 NOT_SUPPORTED = ("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
                  "removexattrat")
 PRETEND_DONE = ("chmod", "fchmod", "chown", "fchown", "lchown", "fchownat", "fchmodat", "fchmodat2", "utime",
                 "utimes", "futimesat", "utimensat")
-DENIED_SOCKET_FAMILIES = (AF_UNIX, AF_NETLINK, AF_PACKET)
+# socket() fails for every family (the worker talks to the harness over the socket pair it was given;
+# socketpair() still works); ioctl() that sets inode flags or attributes fails.
+DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C6620, 0x40087602, 0x40047602)  # FS_IOC_SETFLAGS (and 32-bit),
+                                                                             # FS_IOC_FSSETXATTR, FS_IOC_SETVERSION (and 32-bit)
 
 
 def seccomp_arch() -> str | None:
@@ -221,12 +237,14 @@ def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
 
 def seccomp_program(arch: str) -> bytes:
     """A classic-BPF filter: other architectures' calls (x86's 32-bit and x32 ABIs) fail, the
-    listed calls get their answer, socket() of the listed families fails, everything else runs."""
+    listed calls get their answer, socket() fails, ioctl() fails for the listed requests,
+    everything else runs."""
     audit_arch, numbers = SYSCALLS[arch]
     eperm, enotsup = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.EOPNOTSUPP
     answers = [(numbers[n], eperm) for n in DENIED if n in numbers]
     answers += [(numbers[n], enotsup) for n in NOT_SUPPORTED if n in numbers]
     answers += [(numbers[n], SECCOMP_RET_ERRNO | 0) for n in PRETEND_DONE if n in numbers]
+    answers += [(numbers["socket"], SECCOMP_RET_ERRNO | errno.EACCES)]
     prog = [_bpf(BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
             _bpf(BPF_JEQ_K, 1, 0, audit_arch),
             _bpf(BPF_RET_K, 0, 0, eperm),
@@ -235,11 +253,11 @@ def seccomp_program(arch: str) -> bytes:
         prog += [_bpf(BPF_JGE_K, 0, 1, 0x40000000), _bpf(BPF_RET_K, 0, 0, eperm)]  # the x32 ABI
     for number, answer in answers:
         prog += [_bpf(BPF_JEQ_K, 0, 1, number), _bpf(BPF_RET_K, 0, 0, answer)]
-    socket_check = [_bpf(BPF_JEQ_K, 0, 1 + 2 * len(DENIED_SOCKET_FAMILIES), numbers["socket"]),
-                    _bpf(BPF_LD_W_ABS, 0, 0, 16)]  # seccomp_data.args[0] (low half): the family
-    for family in DENIED_SOCKET_FAMILIES:
-        socket_check += [_bpf(BPF_JEQ_K, 0, 1, family), _bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.EACCES)]
-    prog += socket_check + [_bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW)]
+    ioctl_check = [_bpf(BPF_JEQ_K, 0, 1 + 2 * len(DENIED_IOCTLS), numbers["ioctl"]),
+                   _bpf(BPF_LD_W_ABS, 0, 0, 24)]  # seccomp_data.args[1] (low half): the request
+    for request in DENIED_IOCTLS:
+        ioctl_check += [_bpf(BPF_JEQ_K, 0, 1, request), _bpf(BPF_RET_K, 0, 0, eperm)]
+    prog += ioctl_check + [_bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW)]
     return b"".join(prog)
 
 
@@ -318,25 +336,28 @@ def interpreter_roots() -> list[str]:
     return sorted(os.path.realpath(r) for r in roots if os.path.exists(r))
 
 
-def worker_rules(repo_dir: Path, private_dir: Path, submission_dir: Path) -> list:
+def worker_rules(private_dir: Path, submission_dir: Path) -> list:
     """What a worker may touch, as [(path, kind)]: read and execute the interpreter and the system
-    roots; list the kit's folder (imports scan it) but read only its harness code; read the
-    submission copy; read-write its private folder and the devices."""
+    roots, read the few files of /etc the C library needs and the submission copy, read-write its
+    private folder (which holds its copy of the kit's harness code) and the devices."""
     import glob
     rules = [(r, "execute") for r in interpreter_roots() + [r for r in SYSTEM_ROOTS if os.path.exists(r)]]
-    rules += [(str(repo_dir), "list"), (str(repo_dir / "harness"), "read"), (str(repo_dir / "prepare.py"), "read"),
-              (str(submission_dir), "read"), (str(private_dir), "write")]
+    rules += [(f, "read") for f in ETC_FILES if os.path.exists(f)]
+    rules += [(str(submission_dir), "read"), (str(private_dir), "write")]
     devices = [d for pattern in DEVICE_GLOBS for d in sorted(glob.glob(pattern))]
     rules += [(d, "device") for d in devices + [d for d in PLAIN_DEVICES if os.path.exists(d)]]
     return rules
 
 
 def exposed_paths(paths, rules: list) -> list[str]:
-    """The paths (files the harness scores) that a worker under rules could read."""
+    """The paths (files the harness scores) that a worker under rules could read: beneath a
+    readable root, or a file with more than one hard link (another name of it may be)."""
     readable = [os.path.realpath(p) for p, kind in rules if kind != "list"]
     exposed = []
     for path in paths:
         real = os.path.realpath(path)
         if any(real == r or real.startswith(r.rstrip("/") + "/") for r in readable):
             exposed.append(str(path))
+        elif os.path.isfile(real) and os.stat(real).st_nlink > 1:
+            exposed.append(f"{path} (it has {os.stat(real).st_nlink} hard links)")
     return exposed

@@ -57,11 +57,19 @@ EXIT_GRACE_SECONDS = 2.0  # after "exit", how long the worker may take before it
 REAP_SECONDS = 10.0  # how long close() keeps killing what the worker left behind
 MAX_SEQ_LEN = 1 << 24  # a scorer's max_seq_len above this is not a length
 DEVICE_NAME = re.compile(r"(cpu|cuda|neuron|mps|xla)(:[0-9]{1,4})?")
-# Environment variables the worker never sees: data and output locations, and torchrun's (the worker
-# is one single-device process; it must not join the harness's process group).
+SANDBOX_PART = re.compile(r"capabilities|seccomp|landlock-[0-9]{1,2}")
+# The worker's environment: only these variables of the harness's (an allowlist: no credentials, no
+# data locations), less the hidden ones: data and output locations, and torchrun's (the worker is one
+# single-device process; it must not join the harness's process group). SUBMISSION_* variables are
+# the way to hand a model settings at evaluation time.
+WORKER_ENV_NAMES = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX",
+                    "CONDA_DEFAULT_ENV"}
+WORKER_ENV_PREFIXES = ("LC_", "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "CUDA_", "NVIDIA_", "NEURON_",
+                       "XLA_", "TORCH", "TRITON_", "NKI_", "SUBMISSION_")
 HIDDEN_ENV_PREFIXES = ("FRONTIER_", "NEURON_COMPETITION_R1_", "TORCHELASTIC_")
 HIDDEN_ENV_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+KIT_FILES = ("prepare.py", "harness")  # the kit's code a worker runs (a copy of it, in its private folder)
 # Caches a compiler may write: all of them go to the worker's private folder, so nothing one
 # worker writes is read by another (a shared cache would be a channel between them).
 CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "XDG_CACHE_HOME": "xdg",
@@ -70,7 +78,8 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "t
 
 
 _ESCAPED = {c: f"\\x{c:02x}" for c in [*range(32), 127, *range(0x80, 0xA0)] if c != 10}
-_ESCAPED.update({0x2028: "\\u2028", 0x2029: "\\u2029"})  # line and paragraph separators
+_ESCAPED.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                                               *range(0x2066, 0x206A))})  # line separators, text direction
 
 
 def quoted(text, limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -79,24 +88,33 @@ def quoted(text, limit: int = MAX_MESSAGE_CHARS) -> str:
     return str(text)[:limit].translate(_ESCAPED).replace("\n", "\n    | ")
 
 
-def worker_environment(private_dir: Path, tokenizer_copy: Path | None = None,
+def worker_environment(private_dir: Path, kit_dir: Path, tokenizer_copy: Path | None = None,
                        tokenizer_sha256: str | None = None) -> dict:
-    """The worker's environment: the harness's, without data locations and torchrun's variables,
-    with the kit on PYTHONPATH (train.py files import `prepare`), HOME, TMPDIR and every compiler
+    """The worker's environment: the allowed variables of the harness's (WORKER_ENV_*), the copy of
+    the kit's code on PYTHONPATH (train.py files import `prepare`), HOME, TMPDIR and every compiler
     cache in its private folder, and, when given, a private copy of the pinned tokenizer (so
     ensure_tokenizer() works there without naming any data folder)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(HIDDEN_ENV_PREFIXES) and k not in HIDDEN_ENV_NAMES}
+           if (k in WORKER_ENV_NAMES or k.startswith(WORKER_ENV_PREFIXES))
+           and not k.startswith(HIDDEN_ENV_PREFIXES) and k not in HIDDEN_ENV_NAMES}
     if tokenizer_copy is not None:
         env["FRONTIER_TOKENIZER_PATH"], env["FRONTIER_TOKENIZER_SHA256"] = str(tokenizer_copy), tokenizer_sha256
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR)] + ([os.environ["PYTHONPATH"]]
-                                                          if os.environ.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(kit_dir)] + ([os.environ["PYTHONPATH"]]
+                                                         if os.environ.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["HOME"] = str(private_dir)
     env["TMPDIR"] = str(private_dir / "tmp")
     for name, folder in CACHE_VARIABLES.items():
         env[name] = str(private_dir / "cache" / folder)
     return env
+
+
+def copy_kit(dest: Path) -> None:
+    """The kit's harness code, copied for a worker (so no rule of its sandbox names the kit's folder,
+    which may hold anything)."""
+    dest.mkdir()
+    shutil.copyfile(REPO_DIR / "prepare.py", dest / "prepare.py")
+    shutil.copytree(REPO_DIR / "harness", dest / "harness", ignore=shutil.ignore_patterns("__pycache__"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,6 +217,7 @@ class Worker:
         if tokenizer is not None:
             tokenizer_copy = self.private_dir / "tokenizer.json"
             shutil.copyfile(tokenizer.path, tokenizer_copy)
+        copy_kit(self.private_dir / "kit")
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._forwarded = 0
         self._output_lock = threading.Lock()
@@ -206,7 +225,8 @@ class Worker:
         self._children_before = {pid for pid, ppid in _parents().items() if ppid == os.getpid()}
         parent_sock, child_sock = socket.socketpair()
         self.sock = parent_sock
-        env = worker_environment(self.private_dir, tokenizer_copy, getattr(tokenizer, "sha256", None))
+        env = worker_environment(self.private_dir, self.private_dir / "kit", tokenizer_copy,
+                                 getattr(tokenizer, "sha256", None))
         self.proc = subprocess.Popen([sys.executable, "-m", "harness.child", str(child_sock.fileno())],
                                      cwd=self.private_dir, env=env, pass_fds=(child_sock.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -238,13 +258,13 @@ class Worker:
             raise WorkerError("the worker's hello did not list its sys.path")
         abi, arch, shortfall = sandbox_plan(use_sandbox)
         private = os.path.realpath(self.private_dir)
-        rules = sandbox.worker_rules(REPO_DIR, self.private_dir, submission.dir)
+        rules = sandbox.worker_rules(self.private_dir, submission.dir)
         rules += [(p, "execute") for p in sys_path
-                  if os.path.realpath(p) not in (private, os.path.realpath(REPO_DIR)) and os.path.isdir(p)]
+                  if os.path.isabs(p) and not os.path.realpath(p).startswith(private) and os.path.isdir(p)]
         reply = self.request({"cmd": "sandbox", "off": not use_sandbox, "abi": abi, "seccomp": arch,
                               "rules": [list(r) for r in rules]})[0]
         applied = reply.get("applied")
-        if not isinstance(applied, list) or not all(isinstance(a, str) and len(a) < 40 for a in applied):
+        if not isinstance(applied, list) or not all(isinstance(a, str) and SANDBOX_PART.fullmatch(a) for a in applied):
             raise WorkerError("the worker's sandbox reply is malformed")
         self.sandbox_applied = applied
         if shortfall:
@@ -272,13 +292,24 @@ class Worker:
                     print(f"[{self.label}] ... more than {MAX_FORWARDED_BYTES >> 20} MiB of output; the rest is not "
                           "shown", file=sys.stderr, flush=True)
 
-    def _failure(self, what: str) -> WorkerError:
-        code = self.proc.poll()
-        if code is None:
+    def _exit_code(self, timeout: float) -> int | None:
+        """The worker's exit code once it has exited (waiting up to timeout), None while it runs.
+        It is not reaped here: until close() has killed its process group, its pid (the group's id)
+        must stay reserved."""
+        end = time.monotonic() + timeout
+        while True:
             try:
-                code = self.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                code = None
+                info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return self.proc.returncode
+            if info is not None:
+                return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.01)
+
+    def _failure(self, what: str) -> WorkerError:
+        code = self._exit_code(2.0)
         for t in self._pumps:
             t.join(timeout=1)
         tail = "\n    ".join(list(self.stderr_tail)[-12:]) or "(no output)"
@@ -311,11 +342,11 @@ class Worker:
     def close(self) -> None:
         """Stop the worker and everything it started (killed and reaped), and remove its folder."""
         try:
-            if self.proc.poll() is None:
+            if self._exit_code(0) is None:
                 try:
                     protocol.send(self.sock, {"cmd": "exit"})
-                    self.proc.wait(timeout=EXIT_GRACE_SECONDS)
-                except (OSError, subprocess.TimeoutExpired):
+                    self._exit_code(EXIT_GRACE_SECONDS)
+                except OSError:
                     pass
         finally:
             self._kill_everything()
@@ -325,23 +356,36 @@ class Worker:
             shutil.rmtree(self.private_dir, ignore_errors=True)
 
     def _kill_everything(self) -> None:
-        me, give_up = os.getpid(), time.monotonic() + REAP_SECONDS
+        """SIGKILL the worker's process group, which holds everything it started: the sandbox refuses
+        setsid() and setpgid(), so nothing can leave it, and the kernel delivers a group kill to a
+        process that is forking and to the child it makes. The worker is reaped only afterwards, so
+        the group's id cannot have been reused. Then, for a worker without the sandbox, whatever was
+        re-parented to this process (a child subreaper) is killed too, until none is left."""
+        for _ in range(2):  # the second catches a member that was in fork() during the first
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                break
+            self._exit_code(1.0)
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        _kill({self.proc.pid} | _descendants(self.proc.pid, _parents()))
-        self.proc.wait()
-        while time.monotonic() < give_up:  # the orphans (re-parented to us, the subreaper) and theirs
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # an unkillable (uninterruptible) worker: say so, do not hang
+            print(f"[{self.label}] warning: the worker did not die within 10 s of SIGKILL", file=sys.stderr)
+        me, give_up, clean = os.getpid(), time.monotonic() + REAP_SECONDS, 0
+        while clean < 3:
             parents = _parents()
             orphans = {pid for pid, ppid in parents.items() if ppid == me} - self._children_before
             orphans = {pid for pid in orphans if not _reap(pid)}
-            if not orphans:
+            if orphans:
+                clean = 0
+                _kill(orphans | set().union(*(_descendants(p, parents) for p in orphans)))
+            else:
+                clean += 1
+            if time.monotonic() > give_up:
+                print(f"[{self.label}] warning: processes the worker started were still alive after "
+                      f"{REAP_SECONDS:.0f}s", file=sys.stderr)
                 return
-            _kill(orphans | set().union(*(_descendants(p, parents) for p in orphans)))
             time.sleep(0.01)
-        print(f"[{self.label}] warning: processes the worker started were still alive after {REAP_SECONDS:.0f}s",
-              file=sys.stderr)
 
     def __enter__(self):
         return self

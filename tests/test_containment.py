@@ -20,6 +20,7 @@ from core_bundle import make_bundle
 from helpers import REPO, make_text_source, random_documents, run_prepare
 from hostile import SEQ, TOKENS, evaluate, participant
 from harness import sandbox
+from harness.worker import MAX_FORWARDED_BYTES
 
 pytestmark = pytest.mark.skipif(sandbox.sandbox_shortfall() != "", reason=f"no full sandbox on this machine: "
                                                                          f"{sandbox.sandbox_shortfall()}")
@@ -184,9 +185,12 @@ argv = open(f"/proc/{PARENT}/cmdline", "rb").read().split(b"\\0")
 REPORT = argv[argv.index(b"--report") + 1].decode()
 child = os.fork()
 if child == 0:
-    os.setsid()
+    try:
+        os.setsid()
+    except OSError as e:
+        print("DAEMON SETSID", type(e).__name__, file=sys.stderr, flush=True)
     if os.fork() == 0:
-        print("DAEMON", os.getpid(), file=sys.stderr, flush=True)
+        print("DAEMON PID", os.getpid(), file=sys.stderr, flush=True)
         try:
             out = open(f"/proc/{PARENT}/fd/1", "w")
         except OSError as e:
@@ -217,12 +221,70 @@ def test_a_detached_daemon_is_dead_before_the_result(tmp_path, checkpoint, text_
     report = tmp_path / "report.json"
     result, lines = evaluate(participant(tmp_path, "daemon", DAEMON), checkpoint, text_dataset, "--report", str(report))
     assert result.returncode == 0, result.stderr[-3000:]
-    pid = int(next(line.split()[-1] for line in result.stderr.splitlines() if line.startswith("[worker] DAEMON ")))
+    pid = int(next(line.split()[-1] for line in result.stderr.splitlines() if line.startswith("[worker] DAEMON PID ")))
     assert "[worker] DAEMON STDOUT PermissionError" in result.stderr
     time.sleep(1.0)
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped before the harness printed
     assert result.stdout.count("val_bpb") == 1 and lines["val_bpb"] == honest["public"]["val_bpb"]
     assert f'{json.loads(report.read_text())["val_bpb"]:.6f}' == honest["public"]["val_bpb"]
+
+
+HOPPER = '''
+import ctypes
+import os
+import sys
+import time
+
+
+def hoppers():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{pid}/comm").read().strip() == "frontier-hopper":
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+print("HOPPER", "SEEN" if hoppers() else "GONE", file=sys.stderr, flush=True)
+if os.fork() == 0:  # a daemon that leaves the session, then changes its pid all the time
+    try:
+        os.setsid()
+    except OSError as e:
+        print("SETSID", type(e).__name__, file=sys.stderr, flush=True)
+    ctypes.CDLL(None).prctl(15, b"frontier-hopper")
+    end = time.time() + 60
+    while time.time() < end:
+        if os.fork():
+            os._exit(0)
+        time.sleep(0.005)
+    os._exit(0)
+
+
+class Cheat(Model):
+    pass
+'''
+
+
+def running_hoppers() -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "frontier-hopper":
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_a_daemon_that_keeps_changing_its_pid_dies_with_its_worker(tmp_path, checkpoint, text_dataset, honest):
+    """It could carry what the first worker saw to the second: the second must never see it."""
+    result, lines = evaluate(participant(tmp_path, "hopper", HOPPER), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[worker] HOPPER GONE" in result.stderr and "[worker.2] HOPPER GONE" in result.stderr
+    assert "[worker] SETSID PermissionError" in result.stderr and "HOPPER SEEN" not in result.stderr
+    assert running_hoppers() == [] and lines["val_bpb"] == honest["public"]["val_bpb"]
 
 
 # --- 5, 11. values and messages from the worker ------------------------------------------------
@@ -487,7 +549,7 @@ def test_a_flood_leaves_the_harness_memory_alone(tmp_path, checkpoint, text_data
     _, baseline = peak_rss_run(args + ["--train-py", participant(tmp_path, "train")], text_dataset)
     result, peak = peak_rss_run(args + ["--train-py", participant(tmp_path, flood, FLOODS[flood])], text_dataset)
     assert peak < baseline + 150, (peak, baseline)
-    assert len(result.stderr) < 16 << 20
+    assert len(result.stderr) < 2 * MAX_FORWARDED_BYTES + (1 << 20)  # each of the two workers: at most its cap
     if flood == "payload":
         assert result.returncode == 1 and "announced a payload of '2147483648' bytes" in result.stderr
     else:
@@ -532,9 +594,8 @@ import socket
 import sys
 
 PARENT = os.getppid()
-SECRET, LISTENING = os.environ["PROBE_SECRET"], int(os.environ["PROBE_PORT"])
-KIT_FILE = os.path.join(os.path.dirname(os.path.abspath(__import__("prepare").__file__)),
-                        "harness", "config.py")
+SECRET, LISTENING = os.environ["SUBMISSION_PROBE_SECRET"], int(os.environ["SUBMISSION_PROBE_PORT"])
+KIT_FILE = os.environ["SUBMISSION_PROBE_KIT"]  # a file of the kit the harness runs from (the worker has a copy)
 
 
 def attempt(name, action):
@@ -557,7 +618,7 @@ attempt("list_tmp", lambda: os.listdir("/tmp"))
 attempt("parent_environ", lambda: open(f"/proc/{PARENT}/environ", "rb").read())
 attempt("tcp_connect", lambda: socket.create_connection(("127.0.0.1", LISTENING), timeout=5))
 # The control run has no sandbox: it stops here, before anything that would change the machine.
-if os.environ.get("PROBE_CONTROL") != "1":
+if os.environ.get("SUBMISSION_PROBE_CONTROL") != "1":
     attempt("write_tmp", lambda: open("/tmp/frontier-probe", "w").write("x"))
     attempt("write_dev_shm", lambda: open("/dev/shm/frontier-probe", "w").write("x"))
     attempt("write_kit", lambda: open(KIT_FILE, "a").write("x"))
@@ -574,6 +635,15 @@ if os.environ.get("PROBE_CONTROL") != "1":
                                          1, -4))
     attempt("xattr", lambda: os.setxattr("tokenizer.json", "user.frontier", b"1"))
     attempt("hostname", lambda: socket.sethostname(socket.gethostname()))  # a no-op, if it were allowed
+    attempt("udp_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+    attempt("mptcp_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM, 262))
+    attempt("io_uring", lambda: libc_call("syscall", 425, 8, ctypes.create_string_buffer(120)))
+    attempt("setsid", lambda: os.setsid())
+    attempt("unshare", lambda: libc_call("unshare", 0x10000000))  # CLONE_NEWUSER
+    attempt("read_etc_shadow", lambda: open("/etc/shadow").read())
+    import fcntl
+    attempt("inode_flags", lambda: fcntl.ioctl(open("own.txt", "w"), 0x40086602, b"\\0" * 8))
+    print("PROBE env", "SEEN" if os.environ.get("AWS_SECRET_ACCESS_KEY") else "HIDDEN", file=sys.stderr)
     before = os.stat(KIT_FILE)
     os.utime(KIT_FILE, (1, 1))
     os.chmod(KIT_FILE, 0o777)
@@ -588,7 +658,8 @@ class Cheat(Model):
 '''
 DENIED = ("read_file", "read_via_proc_root", "list_tmp", "write_tmp", "write_dev_shm", "write_kit", "parent_environ",
           "parent_fd", "parent_cwd", "tcp_connect", "tcp_bind", "unix_socket", "netlink_socket", "signal_parent",
-          "sysv_shm", "sysv_msg", "posix_mq", "keyring", "xattr", "hostname")
+          "sysv_shm", "sysv_msg", "posix_mq", "keyring", "xattr", "hostname", "udp_socket", "mptcp_socket",
+          "io_uring", "setsid", "unshare", "read_etc_shadow", "inode_flags")
 
 
 def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest):
@@ -598,17 +669,18 @@ def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, hon
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    env = {"PROBE_SECRET": str(secret), "PROBE_PORT": str(listener.getsockname()[1])}
+    env = {"SUBMISSION_PROBE_SECRET": str(secret), "SUBMISSION_PROBE_PORT": str(listener.getsockname()[1]),
+           "SUBMISSION_PROBE_KIT": str(REPO / "harness" / "config.py"), "AWS_SECRET_ACCESS_KEY": "not for the worker"}
     try:
         result, lines = evaluate(participant(tmp_path, "probe", PROBE), checkpoint, text_dataset, env=env)
         control, _ = evaluate(participant(tmp_path, "probe", PROBE), checkpoint, text_dataset, "--no-sandbox",
-                              env={**env, "PROBE_CONTROL": "1"})
+                              env={**env, "SUBMISSION_PROBE_CONTROL": "1"})
     finally:
         listener.close()
     assert result.returncode == 0, result.stderr[-3000:]
     probes = dict(line.split()[2:4] for line in result.stderr.splitlines() if line.startswith("[worker] PROBE "))
     assert {k: probes.get(k) for k in DENIED} == {k: "DENIED" for k in DENIED}, probes
-    assert probes["metadata"] == "UNCHANGED" and probes["write_private"] == "ALLOWED"
+    assert probes["metadata"] == "UNCHANGED" and probes["write_private"] == "ALLOWED" and probes["env"] == "HIDDEN"
     assert lines["val_bpb"] == honest["public"]["val_bpb"]
     assert lines["sandbox"].startswith("capabilities + landlock-") and "seccomp" in lines["sandbox"]
     unsandboxed = dict(line.split()[2:4] for line in control.stderr.splitlines() if line.startswith("[worker] PROBE "))

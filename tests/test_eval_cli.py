@@ -22,7 +22,7 @@ def _lines(stdout: str) -> dict:
 
 
 def test_eval_public_scores_a_checkpoint_without_running_main(tmp_path, text_dataset, checkpoint):
-    env = {"FRONTIER_DATA_DIR": str(text_dataset), "MAIN_RAN_MARKER": str(tmp_path / "ran")}
+    env = {"FRONTIER_DATA_DIR": str(text_dataset), "SUBMISSION_MAIN_RAN_MARKER": str(tmp_path / "ran")}
     result = run_prepare(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint),
                           "--max-tokens", "8192", "--device", "cpu"], env)
     assert result.returncode == 0, result.stderr
