@@ -1,23 +1,25 @@
 """The worker's sandbox: what participant code may touch once the worker has applied it.
 
-Applied inside the worker process (harness/worker.py) before any participant code is imported,
+Applied inside the worker process (harness/child.py) before any participant code is imported,
 and kept by everything the worker starts (no_new_privs; a Landlock domain and a seccomp filter
 are inherited across fork and exec and cannot be lifted):
 
 - **Linux Landlock** (an unprivileged LSM; its ABI version decides what it can restrict):
   the file system is readable only under the roots the harness names (the interpreter and its
-  packages, the system's libraries and compiler, the kit's harness code, the private copy of the
-  participant's files) and writable only in the worker's private folder; device nodes of the
-  accelerators are opened read-write. TCP bind and connect are refused (ABI 4), and so are
-  signals to, and abstract unix sockets of, processes outside the sandbox (ABI 6). Landlock also
-  stops ptrace of any process outside the domain, which closes /proc/<pid>/mem, /fd and /environ of
-  the harness.
-- **A seccomp filter** for what Landlock does not cover and could carry information from one
-  worker to the next: System V IPC and POSIX message queues (they outlive their process), kernel
-  keyrings, extended attributes, and metadata changes (chmod, chown, utime) of files the worker
-  can read; and new unix or netlink sockets (a unix socket path, e.g. a container daemon's, is not
-  covered by Landlock). Metadata calls report success and change nothing; xattr writes report
-  "not supported"; the rest fail with EPERM.
+  packages, the system's libraries and compiler, a few files of /etc, the private copy of the
+  participant's files) and writable only in the worker's private folder (which holds its copy of
+  the kit's harness code); device nodes of the accelerators are opened read-write. TCP bind and
+  connect are refused (ABI 4), and so are signals to, and abstract unix sockets of, processes
+  outside the sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which
+  closes /proc/<pid>/mem, /fd and /environ of the harness.
+- **A seccomp filter** for what Landlock does not cover: any new socket (the worker has the
+  socket pair the harness gave it); io_uring (its operations do not pass through this filter);
+  what could carry information from one worker to the next (System V IPC and POSIX message
+  queues outlive their process; kernel keyrings; extended attributes, inode flags and metadata
+  changes of files the worker can read); leaving the worker's process group (setsid, setpgid),
+  so that one kill of the group reaches everything it started; new namespaces; perf events and
+  BPF. Metadata calls report success and change nothing; xattr writes report "not supported";
+  the rest fail with EPERM (socket() with EACCES).
 - **No capabilities.** A worker started as root drops every capability (and the bounding set),
   so it cannot mount, set the hostname, trace, or override file permissions.
 
