@@ -146,6 +146,9 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     print(f"device:                  {result['device']}")
     print(f"sandbox:                 {' + '.join(result['sandbox']) or 'none'} (applied in "
           f"{1000 * result['sandbox_seconds']:.0f} ms; worker started in {result['worker_start_seconds']:.1f}s)")
+    loads = " and ".join(f"{w['load_seconds']:.1f}s" for w in result["workers"])
+    passes = " and ".join(f"{t:.1f}s" for t in result["pass_seconds"])
+    print(f"workers:                 {len(result['workers'])} (loaded in {loads}; passes {passes})")
     print(f"checkpoint_sha256:       {result['checkpoint_sha256']}")
     print(f"train_py_sha256:         {result['train_py_sha256']}")
     if result["kernels_sha256"]:
