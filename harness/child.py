@@ -147,7 +147,8 @@ class Child:
         self.scorer = call_participant_loader(msg["file"], "participant_inference", "load_scorer", msg["checkpoint"],
                                               self.device, "the CORE scorer calls it (see the README, 'Phase 2: CORE')")
         if not callable(getattr(self.scorer, "score", None)):
-            raise HarnessError(f"load_scorer returned {type(self.scorer).__name__}, which has no score(sequences) method")
+            raise HarnessError(f"load_scorer returned {type(self.scorer).__name__}, which has no score(sequences) "
+                               "method")
         max_len = getattr(self.scorer, "max_seq_len", None)
         if max_len is not None and not (isinstance(max_len, int) and max_len >= 2):
             raise HarnessError(f"scorer.max_seq_len must be an int >= 2 or None, got {max_len!r}")

@@ -514,10 +514,11 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
         what = f"choice {choice}"
     if trusted_correct != claimed_correct:
         if not margin < allowance:
-            raise CoreError(f"inference.py's decision differs from the trusted model's on task {task.label!r}, example "
-                            f"{sample.index}: the trusted path finds {what} by a margin of {margin:.4g} nats (inference.py "
-                            f"says {'correct' if claimed_correct else 'wrong'}; allowance {allowance:g}). The inference "
-                            "path must score the trained model")
+            verdict = "correct" if claimed_correct else "wrong"
+            raise CoreError(f"inference.py's decision differs from the trusted model's on task {task.label!r}, "
+                            f"example {sample.index}: the trusted path finds {what} by a margin of {margin:.4g} "
+                            f"nats (inference.py says {verdict}; allowance {allowance:g}). The inference path must "
+                            "score the trained model")
         worst["margin_flipped"], worst["flipped"] = margin, True
     return worst
 
@@ -614,7 +615,8 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
         decisions_flipped += found.pop("flipped")
         worst = {key: max(worst[key], found[key]) for key in worst}
     return {"examples": len(samples), "sequences": len(originals), "twins": len(twinned),
-            "shadow_rows": len(shadows), "decisions_flipped_within_allowance": decisions_flipped, "max_abs_loss_diff": worst["loss"], "max_greedy_gap": worst["greedy"],
+            "shadow_rows": len(shadows), "decisions_flipped_within_allowance": decisions_flipped,
+            "max_abs_loss_diff": worst["loss"], "max_greedy_gap": worst["greedy"],
             "max_causal_diff": max(checks.worst["causality"], checks.worst["batch_content"]),
             "max_flipped_margin": worst["margin_flipped"], "compute_dtype": dtypes[0] or "unknown",
             "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "greedy": VERIFY_GREEDY_TOLERANCE,

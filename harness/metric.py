@@ -247,8 +247,9 @@ class _Scorer:
         twins = count - int(count * REPEAT_SHARE) if len(self.cuts) else 0
         probes = []
         for k, row in enumerate(self.rng.choice(R, size=count, replace=count > R).tolist()):
-            twin = self._twin(row, int(self.cuts[k % len(self.cuts)])) if k < twins else None
-            probes.append(Probe(row, int(self.cuts[k % len(self.cuts)]), twin) if twin is not None else self._repeat(row))
+            cut = int(self.cuts[k % len(self.cuts)])
+            twin = self._twin(row, cut) if k < twins else None
+            probes.append(Probe(row, cut, twin) if twin is not None else self._repeat(row))
         return probes
 
     def _twin(self, row: int, cut: int) -> np.ndarray | None:
@@ -569,7 +570,8 @@ def evaluate_checkpoint(submission: Submission, tokenizer: Tokenizer, batch_size
             forward = ModelForward(worker, batch_size, seq_len, tokenizer.get_vocab_size())
             workers.append({"device": worker.info["device"], "sandbox": worker.sandbox_applied,
                             "start_seconds": worker.start_seconds, "sandbox_seconds": worker.sandbox_seconds,
-                            "load_seconds": time.time() - t_worker, "not_official_because": worker.not_official_because})
+                            "load_seconds": time.time() - t_worker,
+                            "not_official_because": worker.not_official_because})
             try:
                 yield forward, worker.info["compute_dtype"]
             finally:

@@ -61,3 +61,22 @@ def tiny_training(tmp_path_factory, text_dataset):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_training):
     return tiny_training[0]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """The weights of the hostile participants' bigram (tests/hostile.py)."""
+    import torch
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
+    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def honest(tmp_path_factory, checkpoint, text_dataset):
+    """The honest bigram's result lines through eval-public at the short test context."""
+    from hostile import evaluate, participant
+    result, lines = evaluate(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset)
+    assert result.returncode == 0, result.stderr
+    return lines

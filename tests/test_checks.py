@@ -62,21 +62,6 @@ def load_participant_module(path: str, name: str):
     return module
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
-    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def honest(tmp_path_factory, checkpoint, text_dataset):
-    result, lines = evaluate(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset)
-    assert result.returncode == 0, result.stderr
-    return lines
-
-
 # --- poisoned arithmetic -------------------------------------------------------------------------
 
 def test_huge_finite_logits_are_refused_on_every_path(tmp_path, checkpoint, text_dataset, monkeypatch):

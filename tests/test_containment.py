@@ -36,14 +36,6 @@ def sha256(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
-    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def val_shard(text_dataset):
     return str(next(p for p in sorted(text_dataset.glob("shard_*.parquet"))
                     if p.name in json.loads((text_dataset / "manifest.json").read_text())["splits"]["public_val"]))
@@ -55,13 +47,12 @@ def score_shard(train_py, checkpoint, dataset, shard, *extra):
 
 
 @pytest.fixture(scope="module")
-def honest(tmp_path_factory, checkpoint, text_dataset, val_shard):
-    folder = tmp_path_factory.mktemp("honest")
-    result, lines = evaluate(participant(folder, "train"), checkpoint, text_dataset)
+def honest_runs(tmp_path_factory, checkpoint, text_dataset, val_shard, honest):
+    """The honest bigram's result lines: eval-public, and eval of the validation shard by path."""
+    result, lines = score_shard(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset,
+                                val_shard)
     assert result.returncode == 0, result.stderr
-    shard_result, shard_lines = score_shard(participant(folder, "train"), checkpoint, text_dataset, val_shard)
-    assert shard_result.returncode == 0, shard_result.stderr
-    return {"public": lines, "shard": shard_lines}
+    return {"public": honest, "shard": lines}
 
 
 def assert_refused(result, lines, message):
@@ -124,18 +115,18 @@ class Cheat(Model):
 '''
 
 
-def test_reading_the_scored_data_gains_nothing(tmp_path, checkpoint, text_dataset, val_shard, honest):
+def test_reading_the_scored_data_gains_nothing(tmp_path, checkpoint, text_dataset, val_shard, honest_runs):
     cheat = participant(tmp_path, "read_the_data", READ_THE_DATA)
     control, control_lines = score_shard(cheat, checkpoint, text_dataset, val_shard, "--no-sandbox")
     assert control.returncode == 0, control.stderr[-3000:]
     assert "[worker] DATA READ" in control.stderr  # without the sandbox the attack works ...
-    assert float(control_lines["val_bpb"]) < 0.5 * float(honest["shard"]["val_bpb"])
+    assert float(control_lines["val_bpb"]) < 0.5 * float(honest_runs["shard"]["val_bpb"])
     assert control_lines["official"].startswith("False") and "--no-sandbox" in control_lines["official"]
     result, lines = score_shard(cheat, checkpoint, text_dataset, val_shard)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DATA READ" not in result.stderr and "[worker] DATA DENIED PermissionError" in result.stderr
     assert "[worker] ENVIRON PermissionError" in result.stderr
-    assert lines["val_bpb"] == honest["shard"]["val_bpb"]  # ... and in it, it gains nothing
+    assert lines["val_bpb"] == honest_runs["shard"]["val_bpb"]  # ... and in it, it gains nothing
 
 
 # --- 2, 3. the harness's memory -----------------------------------------------------------------
@@ -160,7 +151,7 @@ class Cheat(Model):
 '''
 
 
-def test_the_harness_memory_is_out_of_reach(tmp_path, checkpoint, text_dataset, honest):
+def test_the_harness_memory_is_out_of_reach(tmp_path, checkpoint, text_dataset, honest_runs):
     cheat = participant(tmp_path, "memory", HARNESS_MEMORY)
     if os.geteuid() == 0:  # root can open another process's memory, unless the sandbox stops it
         control, _ = evaluate(cheat, checkpoint, text_dataset, "--no-sandbox")
@@ -169,7 +160,7 @@ def test_the_harness_memory_is_out_of_reach(tmp_path, checkpoint, text_dataset, 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[worker] MEM rb DENIED PermissionError" in result.stderr
     assert "[worker] MEM r+b DENIED PermissionError" in result.stderr
-    assert lines["val_bpb"] == honest["public"]["val_bpb"]
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
 
 
 # --- 4. a daemon that outlives the run ----------------------------------------------------------
@@ -217,7 +208,7 @@ class Cheat(Model):
 '''
 
 
-def test_a_detached_daemon_is_dead_before_the_result(tmp_path, checkpoint, text_dataset, honest):
+def test_a_detached_daemon_is_dead_before_the_result(tmp_path, checkpoint, text_dataset, honest_runs):
     report = tmp_path / "report.json"
     result, lines = evaluate(participant(tmp_path, "daemon", DAEMON), checkpoint, text_dataset, "--report", str(report))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -225,8 +216,8 @@ def test_a_detached_daemon_is_dead_before_the_result(tmp_path, checkpoint, text_
     assert "[worker] DAEMON STDOUT PermissionError" in result.stderr
     time.sleep(1.0)
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped before the harness printed
-    assert result.stdout.count("val_bpb") == 1 and lines["val_bpb"] == honest["public"]["val_bpb"]
-    assert f'{json.loads(report.read_text())["val_bpb"]:.6f}' == honest["public"]["val_bpb"]
+    assert result.stdout.count("val_bpb") == 1 and lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+    assert f'{json.loads(report.read_text())["val_bpb"]:.6f}' == honest_runs["public"]["val_bpb"]
 
 
 HOPPER = '''
@@ -278,13 +269,13 @@ def running_hoppers() -> list[str]:
     return found
 
 
-def test_a_daemon_that_keeps_changing_its_pid_dies_with_its_worker(tmp_path, checkpoint, text_dataset, honest):
+def test_a_daemon_that_keeps_changing_its_pid_dies_with_its_worker(tmp_path, checkpoint, text_dataset, honest_runs):
     """It could carry what the first worker saw to the second: the second must never see it."""
     result, lines = evaluate(participant(tmp_path, "hopper", HOPPER), checkpoint, text_dataset)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[worker] HOPPER GONE" in result.stderr and "[worker.2] HOPPER GONE" in result.stderr
     assert "[worker] SETSID PermissionError" in result.stderr and "HOPPER SEEN" not in result.stderr
-    assert running_hoppers() == [] and lines["val_bpb"] == honest["public"]["val_bpb"]
+    assert running_hoppers() == [] and lines["val_bpb"] == honest_runs["public"]["val_bpb"]
 
 
 # --- 5, 11. values and messages from the worker ------------------------------------------------
@@ -360,7 +351,7 @@ class Cheat(Model):
 '''
 
 
-def test_files_swapped_after_loading_change_nothing(tmp_path, checkpoint, text_dataset, honest):
+def test_files_swapped_after_loading_change_nothing(tmp_path, checkpoint, text_dataset, honest_runs):
     import shutil
     ckpt = tmp_path / "final.pt"
     shutil.copyfile(checkpoint, ckpt)
@@ -373,7 +364,7 @@ def test_files_swapped_after_loading_change_nothing(tmp_path, checkpoint, text_d
         assert f"[worker] SWAP {what} PermissionError" in result.stderr, result.stderr[-2000:]
     assert lines["train_py_sha256"] == before["train_py"] == sha256(cheat)
     assert lines["checkpoint_sha256"] == before["checkpoint"] == sha256(ckpt)
-    assert lines["val_bpb"] == honest["public"]["val_bpb"] and time.time() - t0 < 120
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"] and time.time() - t0 < 120
     control, control_lines = evaluate(cheat, str(ckpt), text_dataset, "--no-sandbox")
     assert control.returncode == 0 and "[worker] SWAPPED TRAIN_PY" in control.stderr  # the files did change ...
     assert control_lines["train_py_sha256"] == before["train_py"]  # ... but the printed hashes are of what ran
@@ -399,7 +390,7 @@ def test_special_files_are_refused_before_anything_runs(tmp_path, checkpoint, te
         assert time.time() - t0 < 60
 
 
-def test_the_kernels_folder_is_copied_and_hashed(tmp_path, checkpoint, text_dataset, honest):
+def test_the_kernels_folder_is_copied_and_hashed(tmp_path, checkpoint, text_dataset, honest_runs):
     kit = tmp_path / "kit"
     (kit / "kernels").mkdir(parents=True)
     (kit / "kernels" / "__init__.py").write_text("SCALE = 1.0\n")
@@ -407,7 +398,7 @@ def test_the_kernels_folder_is_copied_and_hashed(tmp_path, checkpoint, text_data
         "class Model(nn.Module):", "from kernels import SCALE\n\n\nclass Model(nn.Module):"))
     result, lines = evaluate(str(kit / "train.py"), checkpoint, text_dataset)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(lines["kernels_sha256"]) == 64 and lines["val_bpb"] == honest["public"]["val_bpb"]
+    assert len(lines["kernels_sha256"]) == 64 and lines["val_bpb"] == honest_runs["public"]["val_bpb"]
 
 
 # --- 8. requests that are never answered --------------------------------------------------------
@@ -480,12 +471,12 @@ class Cheat(Model):
 '''
 
 
-def test_the_logits_buffers_cannot_shrink(tmp_path, checkpoint, text_dataset, honest):
+def test_the_logits_buffers_cannot_shrink(tmp_path, checkpoint, text_dataset, honest_runs):
     result, lines = evaluate(participant(tmp_path, "shrink", SHRINK_THE_BUFFER), checkpoint, text_dataset)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[worker] RESIZE PermissionError" in result.stderr and "[worker] TRUNCATE PermissionError" in result.stderr
     assert "RESIZED" not in result.stderr and "TRUNCATED" not in result.stderr
-    assert lines["val_bpb"] == honest["public"]["val_bpb"]
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
 
 
 # --- 10. floods -----------------------------------------------------------------------------------
@@ -543,7 +534,7 @@ def peak_rss_run(args, dataset):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flood", sorted(FLOODS))
-def test_a_flood_leaves_the_harness_memory_alone(tmp_path, checkpoint, text_dataset, honest, flood):
+def test_a_flood_leaves_the_harness_memory_alone(tmp_path, checkpoint, text_dataset, honest_runs, flood):
     args = ["eval-public", "--checkpoint", checkpoint, "--device", "cpu", "--seq-len", str(SEQ), "--max-tokens",
             str(TOKENS)]
     _, baseline = peak_rss_run(args + ["--train-py", participant(tmp_path, "train")], text_dataset)
@@ -555,7 +546,7 @@ def test_a_flood_leaves_the_harness_memory_alone(tmp_path, checkpoint, text_data
     else:
         assert result.returncode == 0, result.stderr[-2000:]
         assert "MiB of output; the rest is not shown" in result.stderr
-        assert result_lines(result.stdout)["val_bpb"] == honest["public"]["val_bpb"]
+        assert result_lines(result.stdout)["val_bpb"] == honest_runs["public"]["val_bpb"]
 
 
 # --- 12. the data on disk ----------------------------------------------------------------------------
@@ -662,7 +653,7 @@ DENIED = ("read_file", "read_via_proc_root", "list_tmp", "write_tmp", "write_dev
           "io_uring", "setsid", "unshare", "read_etc_shadow", "inode_flags")
 
 
-def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest):
+def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest_runs):
     import socket
     secret = tmp_path / "secret.txt"
     secret.write_text("the private shard")
@@ -681,16 +672,17 @@ def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, hon
     probes = dict(line.split()[2:4] for line in result.stderr.splitlines() if line.startswith("[worker] PROBE "))
     assert {k: probes.get(k) for k in DENIED} == {k: "DENIED" for k in DENIED}, probes
     assert probes["metadata"] == "UNCHANGED" and probes["write_private"] == "ALLOWED" and probes["env"] == "HIDDEN"
-    assert lines["val_bpb"] == honest["public"]["val_bpb"]
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
     assert lines["sandbox"].startswith("capabilities + landlock-") and "seccomp" in lines["sandbox"]
     unsandboxed = dict(line.split()[2:4] for line in control.stderr.splitlines() if line.startswith("[worker] PROBE "))
     assert unsandboxed["read_file"] == unsandboxed["tcp_connect"] == unsandboxed["list_tmp"] == "ALLOWED"
 
 
-def test_an_honest_model_gets_the_same_number_with_and_without_the_sandbox(tmp_path, checkpoint, text_dataset, honest):
+def test_an_honest_model_gets_the_same_number_with_and_without_the_sandbox(tmp_path, checkpoint, text_dataset,
+                                                                           honest_runs):
     result, lines = evaluate(participant(tmp_path, "train"), checkpoint, text_dataset, "--no-sandbox")
     assert result.returncode == 0
-    assert lines["val_bpb"] == honest["public"]["val_bpb"] and lines["sandbox"].startswith("none")
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"] and lines["sandbox"].startswith("none")
     assert "the worker's sandbox is off (--no-sandbox)" in lines["official"]
 
 

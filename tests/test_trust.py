@@ -109,21 +109,6 @@ class Cheat(Model):
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
-    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def honest(tmp_path_factory, checkpoint, text_dataset):
-    result, lines = evaluate(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset)
-    assert result.returncode == 0, result.stderr
-    return lines
-
-
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_a_model_that_reads_ahead_is_refused(tmp_path, checkpoint, text_dataset, attack):
     result, lines = evaluate(participant(tmp_path, attack, ATTACKS[attack]), checkpoint, text_dataset)
