@@ -247,7 +247,7 @@ class _Scorer:
         twins = count - int(count * REPEAT_SHARE) if len(self.cuts) else 0
         probes = []
         for k, row in enumerate(self.rng.choice(R, size=count, replace=count > R).tolist()):
-            cut = int(self.cuts[k % len(self.cuts)])
+            cut = int(self.cuts[k % len(self.cuts)]) if k < twins else self.T
             twin = self._twin(row, cut) if k < twins else None
             probes.append(Probe(row, cut, twin) if twin is not None else self._repeat(row))
         return probes
