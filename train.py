@@ -767,7 +767,10 @@ def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.d
                                start_batch=start_batch)
     if recipe.sampler == "keep-rest":
         return keep_rest_loader(tokenizer, batch_size, recipe.seq_len, device, rank, world_size, start_batch)
-    raise ValueError(f"--sampler {recipe.sampler!r}: use kit or keep-rest")
+    raise ValueError(f"--sampler {recipe.sampler!r}: use one of {', '.join(SAMPLERS)}")
+
+
+SAMPLERS = ("kit", "keep-rest")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2092,6 +2095,9 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def main(argv=None) -> int:
     recipe, options, notes = parse_command_line(argv)
+    model_config(recipe)  # a malformed ingredient flag is an error before any data, device or process group
+    if recipe.sampler not in SAMPLERS:
+        raise ValueError(f"--sampler {recipe.sampler!r}: use one of {', '.join(SAMPLERS)}")
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
     setup_kernels(options, device_type)
     profile = device_profile(device_type, recipe.dtype)
