@@ -3,11 +3,13 @@
 of public_val, and print a table: per seed, the mean, the seed spread and the difference to the reference.
 
     # the ingredients one at a time on the CPU preset, 2 seeds, then the winners together (README, "Ingredients")
-    python benchmarks/preset_sweep.py --budget 300 --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,keep-rest,every --seeds 1,2 --combine-winners
-    # the same ingredients at a fixed step count on a larger shape: per-step gain apart from step-time cost
-    python benchmarks/preset_sweep.py --max-steps 400 --shapes d4-w256-s512-b4k --ingredients off,value-embeds,... --seeds 1
+    python benchmarks/preset_sweep.py --budget 300 --seeds 1,2 --combine-winners \
+        --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,keep-rest,every
+    # the same at a fixed step count on a larger shape: per-step gain apart from step-time cost
+    python benchmarks/preset_sweep.py --max-steps 400 --shapes d4-w256-s512-b4k --seeds 1 \
+        --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,every
     # shapes at 1x and 3x the budget, on the stdlib text or another prepared one (--data-dir)
-    python benchmarks/preset_sweep.py --budget 900 --shapes now,d3-w192-s512-b4k,... --ingredients as-is
+    python benchmarks/preset_sweep.py --budget 900 --shapes now,d3-w192-s512-b4k,nanochat-cpu --ingredients as-is
 
 Ingredient names combine with +: `--ingredients off,value-embeds+smear`. `off` sets every ingredient off
 explicitly and `as-is` passes nothing (the preset as it stands: the same model until the presets adopt
@@ -149,7 +151,7 @@ def main():
                         help="then run, per shape, the single ingredients that beat `off` by more than the seed "
                              "spread (of either), together, with the same seeds")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--eval-tokens", type=int, default=2**18, help="public_val tokens every checkpoint is "
+    parser.add_argument("--eval-tokens", type=int, default=2**19, help="public_val tokens every checkpoint is "
                                                                        "scored on (the same ones for all)")
     parser.add_argument("--data-dir", default=None, help="a prepared dataset (FRONTIER_DATA_DIR) to train and score "
                                                          "on; default: the active one")
