@@ -23,6 +23,7 @@ and calls load_for_eval(). Sizing a run for a budget is a tool beside it: python
 from __future__ import annotations
 
 import argparse
+import atexit
 import bisect
 import contextlib
 import dataclasses
@@ -31,9 +32,11 @@ import importlib
 import json
 import math
 import os
+import queue
 import shutil
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -702,7 +705,10 @@ def training_progress(step: int, charged_seconds: float, training_seconds: float
 # prepare.py's make_dataloader packs documents best-fit into rows that each start at a document's start,
 # and crops a document that does not fit the room left: the rest is dropped, so at short rows most of a
 # long document is never trained on (README, "How much of the text a row length trains on"). The rules
-# let a submission sample its own data; --sampler keep-rest is the same packing with nothing dropped.
+# let a submission sample its own data; --sampler keep-rest is the same packing with nothing dropped (its
+# own code: the kit's packing is not among the prepare.py names train.py may import).
+
+SAMPLERS = ("kit", "keep-rest")
 
 
 def keep_rest_rows(token_batches, row_tokens: int, buffer_size: int = 1000):
@@ -745,18 +751,58 @@ def keep_rest_rows(token_batches, row_tokens: int, buffer_size: int = 1000):
 def keep_rest_loader(tokenizer, batch_size: int, seq_len: int, device: torch.device, rank: int, world_size: int,
                      start_batch: int = 0):
     """(inputs, targets, state) batches as make_dataloader's, from keep_rest_rows over this rank's share of
-    the training documents (the organisers' _document_batches). It tokenizes in the training process
-    itself, at about a million tokens a second: a percent of a CPU step, more on a fast device."""
+    the training documents (the organisers' _document_batches), read, tokenized and packed by a thread
+    ahead of the step as the kit's loader does."""
     bos = tokenizer.get_bos_token_id()
     documents = (([np.asarray(ids) for ids in tokenizer.encode(texts, prepend=bos)], epoch)
                  for texts, epoch in _document_batches("train", rank, world_size, 128))
-    rows, count = keep_rest_rows(documents, seq_len + 1), 0
-    while True:
-        batch = [next(rows) for _ in range(batch_size)]
-        count += 1
+    rows = keep_rest_rows(documents, seq_len + 1)
+
+    def batches():
+        while True:
+            batch = [next(rows) for _ in range(batch_size)]
+            yield np.stack([row for row, _ in batch]), batch[-1][1]
+
+    for count, (tokens, epoch) in enumerate(prefetched(batches()), 1):
         if count > start_batch:  # a resumed run skips what its steps so far consumed
-            tokens = torch.from_numpy(np.stack([row for row, _ in batch])).to(device)
-            yield tokens[:, :-1], tokens[:, 1:], {"epoch": batch[-1][1], "batches": count}
+            tokens = torch.from_numpy(tokens).to(device)
+            yield tokens[:, :-1], tokens[:, 1:], {"epoch": epoch, "batches": count}
+
+
+def prefetched(items, depth: int = 4):
+    """The items of an endless iterator, produced by a thread up to `depth` ahead (its error is raised
+    here). The thread is stopped and joined before the interpreter exits, never left in the tokenizer's
+    native code."""
+    ready, stop = queue.Queue(maxsize=depth), threading.Event()
+
+    def produce():
+        try:
+            for item in items:
+                while not stop.is_set():
+                    with contextlib.suppress(queue.Full):
+                        ready.put((item, None), timeout=0.1)
+                        break
+                if stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer
+            ready.put((None, e))
+
+    def shutdown():
+        stop.set()
+        worker.join(timeout=10)
+
+    worker = threading.Thread(target=produce, name="keep-rest-loader", daemon=True)
+    worker.start()
+    atexit.register(shutdown)
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            yield item
+    finally:
+        shutdown()
+        atexit.unregister(shutdown)
 
 
 def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.device, rank: int,
@@ -768,9 +814,6 @@ def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.d
     if recipe.sampler == "keep-rest":
         return keep_rest_loader(tokenizer, batch_size, recipe.seq_len, device, rank, world_size, start_batch)
     raise ValueError(f"--sampler {recipe.sampler!r}: use one of {', '.join(SAMPLERS)}")
-
-
-SAMPLERS = ("kit", "keep-rest")
 
 
 # -----------------------------------------------------------------------------------------------

@@ -236,3 +236,27 @@ def test_every_ingredient_and_the_keep_rest_sampler_train_and_pass_the_scorers_c
                          {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "causality_passed:        True" in result.stdout and "val_bpb" in result.stdout
+
+
+def test_the_keep_rest_loader_resumes_where_it_stopped_and_raises_its_thread_s_errors(text_dataset, monkeypatch):
+    import prepare
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    tokenizer = prepare.ensure_tokenizer()
+    first = T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 0, 1)
+    batches = [next(first) for _ in range(5)]
+    x, y, state = batches[0]
+    assert x.shape == y.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1]) and state == {"epoch": 1, "batches": 1}
+    resumed = T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 0, 1, start_batch=3)
+    x, y, state = next(resumed)
+    assert torch.equal(x, batches[3][0]) and torch.equal(y, batches[3][1]) and state["batches"] == 4
+    other_rank = next(T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 1, 2))[0]
+    assert not torch.equal(other_rank, next(T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 0, 2))[0])
+
+    def broken():
+        yield 1
+        raise OSError("shard unreadable")
+
+    items = T.prefetched(broken())
+    assert next(items) == 1
+    with pytest.raises(OSError, match="shard unreadable"):
+        next(items)
