@@ -6,7 +6,7 @@ of public_val, and print a table: per seed, the mean, the seed spread and the di
     python benchmarks/preset_sweep.py --budget 300 --seeds 1,2 --combine-winners \
         --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,keep-rest,every
     # the same at a fixed step count on a larger shape: per-step gain apart from step-time cost
-    python benchmarks/preset_sweep.py --max-steps 400 --shapes d4-w256-s512-b4k --seeds 1 \
+    python benchmarks/preset_sweep.py --max-steps 400 --shapes nanochat-cpu --seeds 1 \
         --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,every
     # shapes at 1x and 3x the budget, on the stdlib text or another prepared one (--data-dir)
     python benchmarks/preset_sweep.py --budget 900 --shapes now,d3-w192-s512-b4k,nanochat-cpu --ingredients as-is
@@ -155,7 +155,8 @@ def main():
                                                                        "scored on (the same ones for all)")
     parser.add_argument("--data-dir", default=None, help="a prepared dataset (FRONTIER_DATA_DIR) to train and score "
                                                          "on; default: the active one")
-    parser.add_argument("--extra", default="", help="more train.py flags for every run, e.g. '--log-every 50'")
+    parser.add_argument("--extra", default="", help="more train.py flags for every run, as one argument: "
+                                                     "--extra='--log-every 50'")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temp folder); rerun with the "
                                                     "same folder to continue an interrupted sweep")
     args = parser.parse_args()
