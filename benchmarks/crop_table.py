@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO))
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="128,256,512,1024,2048")
-    parser.add_argument("--data-dir", default=None, help="a prepared dataset (FRONTIER_DATA_DIR); default: the active one")
+    parser.add_argument("--data-dir", default=None,
+                        help="a prepared dataset (FRONTIER_DATA_DIR); default: the active one")
     parser.add_argument("--split", default="train")
     args = parser.parse_args()
     if args.data_dir:

@@ -186,8 +186,8 @@ def main():
         for shape, spec in grid:
             for seed in seeds:
                 name = f"{shape}__{spec}__seed{seed}"
-                cmd = [sys.executable, "train.py", "--preset", args.base_preset, *SHAPES[shape], *ingredient_flags(spec),
-                       *length, "--no-eval-public", "--seed", str(seed), "--device", args.device,
+                cmd = [sys.executable, "train.py", "--preset", args.base_preset, *SHAPES[shape],
+                       *ingredient_flags(spec), *length, "--no-eval-public", "--seed", str(seed), "--device", args.device,
                        "--out-dir", str(out / name / "out"), *args.extra.split()]
                 print(f"{name}: {' '.join(cmd[2:])}", flush=True)
                 r = run_one(out / name, cmd, score_cmd, env)
