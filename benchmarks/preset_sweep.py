@@ -1,34 +1,41 @@
-"""Which shape wins at a budget: train a small grid of shapes (depth, width, head size, sequence
-length, batch) for the same charged time with the same seed, score every checkpoint with the
-official evaluation on the same fixed tokens of public_val, and print a table and the winner.
+"""Which recipe wins at a budget: train every (shape, ingredients, seed) of a grid for the same charged time
+(or the same number of steps), score every checkpoint with the official evaluation on the same fixed tokens
+of public_val, and print a table: per seed, the mean, the seed spread and the difference to the reference.
 
-    python benchmarks/preset_sweep.py --budget 300                  # the CPU preset's 5 minutes
-    python benchmarks/preset_sweep.py --budget 300 --shapes now,nanochat-cpu
-    python benchmarks/preset_sweep.py --budget 300 --device cuda --base-preset gpu --shapes ...
+    # the ingredients one at a time on the CPU preset, 2 seeds, then the winners together (README, "Ingredients")
+    python benchmarks/preset_sweep.py --budget 300 --seeds 1,2 --combine-winners \
+        --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,keep-rest,every
+    # the same at a fixed step count on a larger shape: per-step gain apart from step-time cost
+    python benchmarks/preset_sweep.py --max-steps 400 --shapes nanochat-cpu --seeds 1 \
+        --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,every
+    # shapes at 1x and 3x the budget, on the stdlib text or another prepared one (--data-dir)
+    python benchmarks/preset_sweep.py --budget 900 --shapes now,d3-w192-s512-b4k,nanochat-cpu --ingredients as-is
 
-Each shape trains in its own process (`python train.py --preset BASE <shape flags> --time-budget
-BUDGET --no-eval-public`), one after the other: run it alone on the machine. The table's last
-columns (tokens per parameter, steps) are what the budget planner's rule is read from."""
+Ingredient names combine with +: `--ingredients off,value-embeds+smear`. `off` sets every ingredient off
+explicitly and `as-is` passes nothing (the preset as it stands: the same model until the presets adopt
+ingredients; after, `off` is the preset before and `as-is` after). Each run trains in its own process
+(`python train.py --preset BASE <shape> <ingredients> --seed S --time-budget B --no-eval-public`), one
+after the other, and is scored by `python prepare.py eval-public --report ...`: run it alone on the
+machine. Results land in --out (one folder per run, its log and result.json); a rerun with the same --out
+reuses the runs already done, so an interrupted sweep continues where it stopped."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import prepare  # noqa: E402
-from harness.metric import evaluate_checkpoint  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 
 # name -> train.py flags (on top of --preset BASE). Widths: depth x aspect ratio, rounded up to the head size.
 SHAPES = {
     "now": [],  # the base preset as it stands
-    # the CPU preset before this sweep chose depth 3, width 192, rows of 256, batch 4K:
+    # the CPU preset before the first sweep chose depth 3, width 192, rows of 256, batch 4K:
     "d4-w384-s1024-b8k": ["--depth", "4", "--aspect-ratio", "96", "--head-dim", "128", "--seq-len", "1024",
                           "--total-batch-size", "8192"],
     "nanochat-cpu": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
@@ -37,8 +44,12 @@ SHAPES = {
                           "--total-batch-size", "4096"],
     "d4-w256-s512-b2k": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "2048"],
+    "d4-w256-s256-b4k": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "256",
+                         "--total-batch-size", "4096", "--device-batch-size", "16"],
     "d3-w192-s512-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
+    "d3-w192-s1024-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "1024",
+                          "--total-batch-size", "4096", "--device-batch-size", "4"],
     "d6-w384-s512-b4k": ["--depth", "6", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
     "d2-w128-s512-b4k": ["--depth", "2", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
@@ -51,7 +62,41 @@ SHAPES = {
                          "--total-batch-size", "4096", "--device-batch-size", "16"],  # one micro-batch, like the others
     "d4-w192-s512-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
+    "d4-w192-s256-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "256",
+                         "--total-batch-size", "4096", "--device-batch-size", "16"],
 }
+
+# Every ingredient off, explicitly: the baseline whatever the preset adopts. flag -> value (True/False: --x/--no-x)
+OFF = {"--value-embeds": "", "--bigram-buckets": "0", "--trigram-buckets": "0", "--smear": False, "--backout": False,
+       "--window-pattern": "L", "--sampler": "kit"}
+# name -> what it turns on over OFF
+INGREDIENTS = {
+    "off": {},
+    "value-embeds": {"--value-embeds": "alternate"},  # nanochat's layers: every other one, the last included
+    "bigram": {"--bigram-buckets": "32768"},  # 4 x the vocabulary
+    "trigram": {"--bigram-buckets": "32768", "--trigram-buckets": "32768"},  # the bigram table and a trigram one
+    "smear": {"--smear": True},
+    "backout": {"--backout": True},
+    "windows": {"--window-pattern": "SSSL"},  # nanochat's pattern; short windows of a quarter of the rows
+    "keep-rest": {"--sampler": "keep-rest"},  # the data sampler that keeps the rest of a cropped document
+}
+INGREDIENTS["every"] = {k: v for name in ("value-embeds", "trigram", "smear", "backout", "windows")
+                        for k, v in INGREDIENTS[name].items()}
+
+
+def ingredient_flags(spec: str) -> list[str]:
+    """train.py flags of an ingredient spec: `as-is` (none), or names joined by + on top of OFF."""
+    if spec == "as-is":
+        return []
+    settings = dict(OFF)
+    for name in spec.split("+"):
+        if name not in INGREDIENTS:
+            raise SystemExit(f"unknown ingredient {name!r}; known: as-is, {', '.join(INGREDIENTS)} (joined by +)")
+        settings.update(INGREDIENTS[name])
+    flags = []
+    for flag, value in settings.items():
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [f"{flag}={value}"]
+    return flags
 
 
 def summary(stdout: str) -> dict:
@@ -59,63 +104,142 @@ def summary(stdout: str) -> dict:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in after.splitlines() if ":" in line)}
 
 
+def run_one(folder: Path, cmd: list[str], score_cmd: list[str], env: dict) -> dict | None:
+    """Train and score one run in `folder` (or read its result.json from an earlier sweep)."""
+    done = folder / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    (folder / "train.log").write_text(" ".join(cmd) + "\n" + run.stdout + run.stderr)
+    if run.returncode != 0:
+        print(f"  training failed (see {folder / 'train.log'})", flush=True)
+        return None
+    s = summary(run.stdout)
+    report = folder / "eval.json"
+    scored = subprocess.run([*score_cmd, "--checkpoint", str(folder / "out" / "final.pt"), "--report", str(report)],
+                            cwd=REPO, env=env, capture_output=True, text=True)
+    (folder / "eval.log").write_text(scored.stdout + scored.stderr)
+    if scored.returncode != 0:
+        print(f"  scoring failed (see {folder / 'eval.log'})", flush=True)
+        return None
+    result = {"params_M": float(s["num_params_M"]), "steps": int(s["num_steps"]),
+              "tokens_M": float(s["total_tokens_M"]), "tok_s": float(s["tokens_per_second"]),
+              "startup_s": float(s["startup_seconds"]), "charged_s": float(s["charged_seconds"]),
+              "val_bpb": json.loads(report.read_text())["val_bpb"], "wall_s": time.time() - t0}
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def noise(values: list[float]) -> float:
+    """The seed spread of a run: max - min over its seeds (0 for one seed)."""
+    return max(values) - min(values)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=300.0, help="charged seconds of training per shape")
+    parser.add_argument("--budget", type=float, default=300.0, help="charged seconds of training per run")
+    parser.add_argument("--max-steps", type=int, default=0, help="train this many steps instead (schedules on steps; "
+                                                                  "the budget then only has to be long enough)")
     parser.add_argument("--base-preset", default="cpu")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default="now", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--ingredients", default="as-is", help="comma-separated specs: as-is, or names joined by + "
+                                                               f"from {', '.join(INGREDIENTS)}")
+    parser.add_argument("--seeds", default="42", help="comma-separated; every run of the grid trains with each")
+    parser.add_argument("--combine-winners", action="store_true",
+                        help="then run, per shape, the single ingredients that beat `off` by more than the seed "
+                             "spread (of either), together, with the same seeds")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--eval-tokens", type=int, default=2**19, help="public_val tokens every checkpoint is scored on")
-    parser.add_argument("--out", default=None, help="folder for the checkpoints and logs (default: a temp folder)")
+    parser.add_argument("--eval-tokens", type=int, default=2**19, help="public_val tokens every checkpoint is "
+                                                                       "scored on (the same ones for all)")
+    parser.add_argument("--data-dir", default=None, help="a prepared dataset (FRONTIER_DATA_DIR) to train and score "
+                                                         "on; default: the active one")
+    parser.add_argument("--extra", default="", help="more train.py flags for every run, as one argument: "
+                                                     "--extra='--log-every 50'")
+    parser.add_argument("--out", default=None, help="folder for the runs (default: a temp folder); rerun with the "
+                                                    "same folder to continue an interrupted sweep")
     args = parser.parse_args()
-    names = [n.strip() for n in args.shapes.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SHAPES]
+    shapes = [n.strip() for n in args.shapes.split(",") if n.strip()]
+    unknown = [n for n in shapes if n not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown shapes {unknown}; known: {list(SHAPES)}")
-    out = Path(args.out or tempfile.mkdtemp(prefix="preset-sweep-"))
-    tokenizer = prepare.ensure_tokenizer()
-    rows = []
-    for name in names:
-        folder = out / name
-        cmd = [sys.executable, str(REPO / "train.py"), "--preset", args.base_preset, *SHAPES[name],
-               "--time-budget", str(args.budget), "--no-eval-public", "--seed", str(args.seed), "--device",
-               args.device, "--out-dir", str(folder)]
-        t0 = time.time()
-        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "train.log").write_text(run.stdout + run.stderr)
-        if run.returncode != 0:
-            print(f"{name}: training failed (see {folder / 'train.log'})", flush=True)
-            continue
-        s = summary(run.stdout)
-        result = evaluate_checkpoint(REPO / "train.py", folder / "final.pt", tokenizer, prepare.EVAL_BATCH_SIZE,
-                                     prepare.EVAL_SEQ_LEN, args.device, max_tokens=args.eval_tokens)
-        params = float(s["num_params_M"]) * 1e6
-        tokens = float(s["total_tokens_M"]) * 1e6
-        rows.append({"name": name, "params_M": params / 1e6, "steps": int(s["num_steps"]), "tokens_M": tokens / 1e6,
-                     "tokens_per_param": tokens / params, "tok_s": float(s["tokens_per_second"]),
-                     "startup_s": float(s["startup_seconds"]), "val_bpb": result["val_bpb"],
-                     "flags": " ".join(SHAPES[name])})
-        r = rows[-1]
-        print(f"{name:<20} {r['params_M']:6.2f}M params | {r['steps']:5d} steps | {r['tokens_M']:6.2f}M tokens | "
-              f"{r['tokens_per_param']:6.2f} tok/param | {r['tok_s']:8.0f} tok/s | val_bpb {r['val_bpb']:.4f} | "
-              f"{time.time() - t0:.0f}s", flush=True)
-    if not rows:
-        raise SystemExit("no shape trained")
-    print("---")
-    print(f"budget: {args.budget:.0f}s charged per shape, seed {args.seed}, device {args.device}, "
-          f"base preset {args.base_preset}, scored on {args.eval_tokens} tokens of public_val at context "
-          f"{prepare.EVAL_SEQ_LEN}")
-    print("| shape | params | steps | tokens | tokens/param | tokens/s | val_bpb |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in sorted(rows, key=lambda r: r["val_bpb"]):
-        print(f"| {r['name']} | {r['params_M']:.2f}M | {r['steps']} | {r['tokens_M']:.2f}M | "
-              f"{r['tokens_per_param']:.1f} | {r['tok_s']:.0f} | {r['val_bpb']:.4f} |")
-    best = min(rows, key=lambda r: r["val_bpb"])
-    print(f"winner: {best['name']} ({best['flags'] or 'the base preset'}): val_bpb {best['val_bpb']:.4f}, "
-          f"{best['tokens_per_param']:.1f} tokens per parameter, {best['steps']} steps in {args.budget:.0f}s")
+    specs = [n.strip() for n in args.ingredients.split(",") if n.strip()]
+    for spec in specs:
+        ingredient_flags(spec)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.combine_winners and ("off" not in specs or len(seeds) < 2):
+        raise SystemExit("--combine-winners compares with `off` over the seed spread: list `off` among "
+                         "--ingredients and give at least 2 --seeds")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if args.data_dir:
+        env["FRONTIER_DATA_DIR"] = str(Path(args.data_dir).resolve())
+    out = Path(args.out or tempfile.mkdtemp(prefix="preset-sweep-")).resolve()
+    length = (["--max-steps", str(args.max_steps), "--time-budget", "1000000"] if args.max_steps else
+              ["--time-budget", str(args.budget)])
+    score_cmd = [sys.executable, "prepare.py", "eval-public", "--train-py", "train.py", "--device", args.device,
+                 "--max-tokens", str(args.eval_tokens)]
+    print(f"{len(shapes) * len(specs) * len(seeds)} runs in {out}", flush=True)
+    results: dict[tuple[str, str], dict[int, dict]] = {}
 
+    def run_grid(grid):
+        for shape, spec in grid:
+            for seed in seeds:
+                name = f"{shape}__{spec}__seed{seed}"
+                cmd = [sys.executable, "train.py", "--preset", args.base_preset, *SHAPES[shape],
+                       *ingredient_flags(spec), *length, "--no-eval-public", "--seed", str(seed), "--device", args.device,
+                       "--out-dir", str(out / name / "out"), *args.extra.split()]
+                print(f"{name}: {' '.join(cmd[2:])}", flush=True)
+                r = run_one(out / name, cmd, score_cmd, env)
+                if r is not None:
+                    results.setdefault((shape, spec), {})[seed] = r
+                    print(f"  {r['params_M']:.2f}M params | {r['steps']} steps | {r['tokens_M']:.2f}M tokens | "
+                          f"{r['tok_s']:.0f} tok/s | start-up {r['startup_s']:.0f}s | val_bpb {r['val_bpb']:.4f} | "
+                          f"{r['wall_s']:.0f}s", flush=True)
+
+    run_grid([(shape, spec) for shape in shapes for spec in specs])
+    if args.combine_winners:
+        combined = []
+        for shape in shapes:
+            ref = [r["val_bpb"] for r in results.get((shape, "off"), {}).values()]
+            winners = []
+            for spec in specs:
+                if spec in INGREDIENTS and spec not in ("off", "every") and len(ref) > 1:
+                    mine = [r["val_bpb"] for r in results.get((shape, spec), {}).values()]
+                    if len(mine) > 1 and statistics.mean(mine) < statistics.mean(ref) - max(noise(ref), noise(mine)):
+                        winners.append(spec)
+            print(f"{shape}: ingredients that beat `off` by more than the seed spread: {winners or 'none'}")
+            if len(winners) > 1 and "+".join(winners) not in specs:
+                combined.append((shape, "+".join(winners)))
+        run_grid(combined)
+        specs += [spec for _, spec in combined if spec not in specs]
+    if not results:
+        raise SystemExit("no run trained")
+
+    print("---")
+    what = f"{args.max_steps} steps" if args.max_steps else f"{args.budget:.0f}s charged"
+    print(f"{what} per run, seeds {args.seeds}, device {args.device}, base preset {args.base_preset}, data "
+          f"{args.data_dir or 'the active dataset'}, scored on the same {args.eval_tokens} tokens of public_val at "
+          f"context 1024")
+    compared = f"the same shape's {specs[0]}" if len(specs) > 1 else f"{shapes[0]}"
+    print(f"difference: to {compared}; spread: max - min over the seeds")
+    print(f"| shape | ingredients | params | steps | tokens/s | {' | '.join(f'seed {s}' for s in seeds)} | mean | "
+          f"spread | difference |")
+    print("| --- " * (8 + len(seeds)) + "|")
+    mean_bpb = lambda key: statistics.mean(r["val_bpb"] for r in results[key].values())  # noqa: E731
+    for shape in shapes:
+        reference = (shape, specs[0]) if len(specs) > 1 else (shapes[0], specs[0])
+        for spec in specs:
+            runs = results.get((shape, spec))
+            if not runs:
+                continue
+            values = [r["val_bpb"] for r in runs.values()]
+            difference = f"{mean_bpb((shape, spec)) - mean_bpb(reference):+.4f}" if reference in results else "-"
+            per_seed = " | ".join(f"{runs[s]['val_bpb']:.4f}" if s in runs else "-" for s in seeds)
+            print(f"| {shape} | {spec} | {next(iter(runs.values()))['params_M']:.2f}M | "
+                  f"{round(statistics.mean(r['steps'] for r in runs.values()))} | "
+                  f"{statistics.mean(r['tok_s'] for r in runs.values()):,.0f} | {per_seed} | "
+                  f"{statistics.mean(values):.4f} | {noise(values):.4f} | {difference} |")
 
 if __name__ == "__main__":
     main()

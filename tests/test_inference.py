@@ -17,11 +17,18 @@ from helpers import REPO, run_prepare, shipped_tokenizer
 VOCAB = 512
 
 
-def tiny_gpt(dtype="fp32", seed=0) -> T.GPT:
+# Every ingredient of the recipe on at once: a value embedding, hashed bigram and trigram tables and smear
+# read each token's predecessors in its own sequence, and a short window counts distances by position.
+EVERY_INGREDIENT = dict(n_layer=3, value_embeds="alternate", bigram_buckets=211, trigram_buckets=199, smear=True,
+                        backout=True, window_pattern="SL", short_window=24)
+
+
+def tiny_gpt(dtype="fp32", seed=0, **ingredients) -> T.GPT:
     """A 2-layer GPT whose every weight matters: init_weights zeroes the output projections (each
     block starts as the identity), so all weights are perturbed, and the x0 mix is made uneven."""
     torch.manual_seed(seed)
-    config = T.GPTConfig(sequence_len=128, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=64)
+    config = T.GPTConfig(**{**dict(sequence_len=128, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=64),
+                            **ingredients})
     model = T.build_model(config, dtype=dtype)
     with torch.no_grad():
         for p in model.parameters():
@@ -78,11 +85,12 @@ def test_prefix_groups_pack_the_choices_of_each_example():
 
 # --- equality with the plain scorer ----------------------------------------------------------------
 
+@pytest.mark.parametrize("ingredients", [{}, EVERY_INGREDIENT], ids=["baseline", "every-ingredient"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_prefix_cached_scores_equal_the_plain_scorer(dtype, monkeypatch, capsys):
+def test_prefix_cached_scores_equal_the_plain_scorer(dtype, ingredients, monkeypatch, capsys):
     monkeypatch.setattr(I, "MAX_BATCH_TOKENS", 1024)  # several batches,
     monkeypatch.setattr(I, "STATIC_ROW_DEVICES", ("cpu",))  # and a last one padded with rows, as on Neuron
-    model = tiny_gpt(dtype)
+    model = tiny_gpt(dtype, **ingredients)
     sequences = core_like_sequences()
     plain, cached = I.Scorer(model, torch.device("cpu"), prefix_cache=False), I.Scorer(model, torch.device("cpu"))
     assert cached.prefix_cache and "prefix cache off" not in capsys.readouterr().err

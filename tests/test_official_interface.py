@@ -232,10 +232,16 @@ def test_train_py_imports_only_the_organisers_names_from_prepare():
                 and any(a.name in ("prepare", "harness") or a.name.startswith("harness.") for a in node.names)]
 
 
-def test_train_py_runs_under_a_prepare_py_with_only_the_organisers_names(tmp_path, text_dataset):
+EVERY_INGREDIENT = ["--value-embeds", "alternate", "--bigram-buckets", "101", "--trigram-buckets", "103", "--smear",
+                    "--backout", "--window-pattern", "SL", "--sampler", "keep-rest"]
+
+
+@pytest.mark.parametrize("recipe", [[], EVERY_INGREDIENT], ids=["baseline", "every-ingredient-keep-rest"])
+def test_train_py_runs_under_a_prepare_py_with_only_the_organisers_names(tmp_path, text_dataset, recipe):
     """train.py alone in a folder (no kernels/, no harness/ beside it) with a prepare.py that has only the
     organisers' names: it trains a few steps, prints its own budget figures, writes out/final.pt where the
-    organisers' environment says, and its load_for_eval reads the checkpoint back."""
+    organisers' environment says, and its load_for_eval reads the checkpoint back; with every ingredient and
+    its own sampler (built on _document_batches) as well."""
     kit = tmp_path / "organisers_kit"
     kit.mkdir()
     (kit / "train.py").write_text((REPO / "train.py").read_text())
@@ -244,7 +250,8 @@ def test_train_py_runs_under_a_prepare_py_with_only_the_organisers_names(tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in OFFICIAL_ENV and k != "PYTHONPATH"}
     env.update(FRONTIER_DATA_DIR=str(text_dataset), NEURON_COMPETITION_R1_OUT_DIR=str(out),
                NEURON_COMPETITION_R1_NUM_STEPS="7")
-    args = [a for a in TINY if a not in ("--eval-tokens", "4096")] + ["--eval-tokens", "2048", "--dtype", "fp32"]
+    args = [a for a in TINY if a not in ("--eval-tokens", "4096")] + ["--eval-tokens", "2048", "--dtype", "fp32",
+                                                                      *recipe]
     run = subprocess.run([sys.executable, "train.py", *args], cwd=kit, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
