@@ -433,9 +433,9 @@ def test_a_worker_that_never_answers_meets_the_deadline(tmp_path, checkpoint, te
     scratch.mkdir()
     t0 = time.time()
     result, lines = evaluate(participant(tmp_path, where, NEVER_ANSWERS[where]), checkpoint, text_dataset,
-                             "--timeout", "25", env={"TMPDIR": str(scratch)})
-    assert_refused(result, lines, "did not finish within 25s (--timeout)")
-    assert time.time() - t0 < 25 + 30
+                             "--timeout", "15", env={"TMPDIR": str(scratch)})
+    assert_refused(result, lines, "did not finish within 15s (--timeout)")
+    assert time.time() - t0 < 15 + 30
     assert list(scratch.iterdir()) == []  # the worker's and the submission's folders are gone
 
 
