@@ -8,7 +8,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -225,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # torchrun stops a rank with SIGTERM: clean up
+        signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     if args.command != "setup":
         make_undumpable()  # the scorer's memory and /proc files are closed to every other process of this user
     try:

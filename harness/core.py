@@ -525,15 +525,15 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
 
 def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Random) -> dict:
     """Score every sequence of every sampled example through the trusted path, in two passes (for
-    the command line: two fresh model workers, one after the other). The samples are split in two
-    by a secret draw; pass k runs the originals of half k, batched by length, and a shadow of every
-    batch of the other half: the same rows at the same shape, with one sequence per example
-    replaced by its twin (cut at a secret point of its scored region, other text after it) and
-    the others repeated. So a twin runs at its original's length, padding and batch size, in a
-    worker that never saw its original. Then: each shadow row agrees with its original (before the
-    cut, for a twin) within the dtype's same-shape tolerance, and each example's answers and
-    decision agree with inference.py's (trusted_decision_check). CoreError on the first
-    disagreement. open_pass(k) is a context manager giving (forward, compute dtype) for pass k."""
+    the command line: two fresh model workers, one after the other). The first runs the originals,
+    batched by length; only then does the second run a shadow of every batch: the same rows at the
+    same shape, with one sequence per example replaced by its twin (cut at a secret point of its
+    scored region, other text after it) and the others repeated. So a twin runs at its original's
+    length, padding and batch size, in a worker that never saw an original. Then: each shadow row
+    agrees with its original (before the cut, for a twin) within the dtype's same-shape tolerance,
+    and each example's answers and decision agree with inference.py's (trusted_decision_check).
+    CoreError on the first disagreement. open_pass(k) is a context manager giving (forward,
+    compute dtype) for pass k."""
     from harness.metric import compare_log_probs, CheckLog, tolerances_for
     vocab, pad = tokenizer.get_vocab_size(), tokenizer.get_bos_token_id()
     secret_ids = np.array(rng.sample(range(vocab - len(SPECIAL_TOKENS)), VERIFY_SECRET_IDS), dtype=np.int64)
@@ -547,24 +547,18 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
             ids = np.concatenate([np.asarray(seq[1:], dtype=np.int64)[:, None], claimed[:, None],
                                   np.broadcast_to(secret_ids, (len(seq) - 1, VERIFY_SECRET_IDS))], axis=1)
             originals[k, j] = _Row(list(seq), ids, (k, j))
-    half = {k: 0 for k in range(len(samples))}
-    for k in rng.sample(range(len(samples)), len(samples) // 2):
-        half[k] = 1
     twinned = {}  # sample -> (sequence, cut, twin tokens)
     for k, sample in enumerate(samples):
         j = rng.randrange(len(sample.request.sequences))
         seq, s, e = sample.request.sequences[j], sample.request.starts[j], sample.request.ends[j]
-        donors = [r.tokens for key, r in originals.items() if half[key[0]] == half[k] and key[0] != k] or \
-                 [r.tokens for key, r in originals.items() if key[0] != k]
+        donors = [r.tokens for key, r in originals.items() if key[0] != k]
         if e > s and donors:
             cut = rng.randrange(s, e)
             twin = _twin_tokens(seq, cut, donors, rng)
             if twin is not None:
                 twinned[k] = (j, cut, twin)
-    batches = {h: [] for h in (0, 1)}  # original batches of each half
-    for h in (0, 1):
-        rows = sorted((r for key, r in originals.items() if half[key[0]] == h), key=lambda r: len(r.tokens))
-        batches[h] = [rows[i:i + VERIFY_BATCH_ROWS] for i in range(0, len(rows), VERIFY_BATCH_ROWS)]
+    rows = sorted(originals.values(), key=lambda r: len(r.tokens))
+    batches = [rows[i:i + VERIFY_BATCH_ROWS] for i in range(0, len(rows), VERIFY_BATCH_ROWS)]
 
     def shadow(batch: list[_Row]) -> list[_Row]:
         out = []
@@ -579,18 +573,16 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
     trusted: dict[tuple[int, int], tuple] = {}
     shadows: list[tuple[_Row, tuple]] = []
     dtypes = []
-    for p in (0, 1):
-        plan = [(b, False) for b in batches[p]] + [(shadow(b), True) for b in batches[1 - p]]
-        plan = [plan[i] for i in rng.sample(range(len(plan)), len(plan))]
+    for p, plan in enumerate((batches, [shadow(b) for b in rng.sample(batches, len(batches))])):
         with open_pass(p) as (forward, dtype):
             dtypes.append(dtype)
-            results = run_rows(forward, [b for b, _ in plan], pad)
-        for (batch, is_shadow), got in zip(plan, results):
+            results = run_rows(forward, plan, pad)
+        for batch, got in zip(plan, results):
             for row, lp in zip(batch, got):
-                if is_shadow:
-                    shadows.append((row, lp))
-                else:
+                if p == 0:
                     trusted[row.key] = lp
+                else:
+                    shadows.append((row, lp))
     if dtypes[0] != dtypes[1]:
         raise CoreError(f"the trusted model reported compute dtype {dtypes[0]} in one worker and {dtypes[1]} in the "
                         "other")

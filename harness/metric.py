@@ -63,7 +63,6 @@ MIN_PROBES = 16  # at least this many probes, however few rows are scored
 REPEAT_SHARE = 1 / 8  # of the probes, this share repeats the whole row (batch independence); the rest are
                       # twins cut at a position (official run: 1,120 twins, so each of the 1,023 positions is cut)
 SECRET_TOKEN_IDS = 8  # token ids compared at every position, besides the row's own target
-PROBE_BATCH_CHANCE = 0.5  # after a scored batch, the chance that a full batch of waiting probes goes next
 LOGIT_LIMIT = 1e30  # |logit| above this is refused: below it every log-prob, difference and sum is finite
 
 
@@ -201,35 +200,36 @@ class Batch:
 
 class _Scorer:
     """This rank's rows and their secret probes, in two passes, each through its own forward (for
-    the command line: a fresh worker process that shares nothing with the other). The rows are
-    split in two by a secret draw; pass k scores the rows of side k and carries the probes of the
-    other side's rows, so a probe never runs where its original did, and a model that remembers
-    what it saw has never seen the original of a probe it is asked. Keeps the per-row sums; raises
-    EvalRefused at the first broken check (a probe of the first pass is checked once its original
-    has been scored, in the second)."""
+    the command line: a fresh worker process that shares nothing with the other). The first pass
+    scores every row; only then does the second run every probe (twins, repeats, a replayed batch,
+    a row alone). So information can only flow forward: the first worker cannot know which rows
+    will be probed or where they will be cut, and the second, which sees nothing but probes, has
+    never seen an original, so it cannot know what a model that reads ahead answered there. Keeps
+    the per-row sums; raises EvalRefused at the first broken check."""
 
     PASSES = 2
 
     def __init__(self, rows: np.ndarray, token_bytes: np.ndarray, batch_size: int, num_ordinary: int,
                  deadline: float, rng: np.random.Generator, cuts: np.ndarray | None = None):
         """cuts: the cut positions this scorer cycles through (default: every position, shuffled)."""
+        if len(rows) == 0:
+            raise HarnessError("no rows to score on this rank: score more tokens (--max-tokens) or run fewer ranks")
         self.rows, self.B, self.T = rows, batch_size, rows.shape[1] - 1
         self.token_bytes, self.deadline, self.rng = token_bytes, deadline, rng
         self.secret_ids = rng.choice(num_ordinary, size=SECRET_TOKEN_IDS, replace=False).astype(np.int64)
         R = len(rows)
-        self.side = np.zeros(R, dtype=np.int64)
-        self.side[rng.permutation(R)[(R + 1) // 2:]] = 1
         self.nats = np.zeros(R, dtype=np.float64)
         self.bytes = np.zeros(R, dtype=np.int64)
         self.tokens = np.zeros(R, dtype=np.int64)
         self.checks = CheckLog()
         self.cuts = rng.permutation(np.arange(1, self.T)) if cuts is None else cuts
         self.probes = self._plan_probes()
-        side0 = np.flatnonzero(self.side == 0)
-        self.alone = int(rng.choice(side0))  # runs alone (batch size 1) in the second pass
+        batches = [list(range(i, min(i + batch_size, R))) for i in range(0, R, batch_size)]
+        full = [j for j, rows_ in enumerate(batches) if len(rows_) == batch_size] or list(range(len(batches)))
+        self.batches, self.replay_at = batches, int(rng.choice(full))
+        self.alone = int(rng.integers(R))  # runs alone (batch size 1) in the second pass
         self.needed = {p.row for p in self.probes} | {self.alone}  # rows whose log-probs are kept as references
         self.references: dict[int, torch.Tensor] = {}  # row -> log-probs at its compare ids [T, 1 + K]
-        self.waiting: dict[int, list[tuple[Probe, torch.Tensor]]] = collections.defaultdict(list)
         self.in_flight: collections.deque[Batch] = collections.deque()
         self.kept: tuple[Batch, torch.Tensor] | None = None
         self.tol: dict | None = None
@@ -253,21 +253,16 @@ class _Scorer:
         return probes
 
     def _twin(self, row: int, cut: int) -> np.ndarray | None:
-        """The row's inputs before cut, then real text from other rows of the same side (which the
-        pass that runs the twin never sees whole): the same positions of another row if its token at
-        the cut differs from this row's, else a stretch of two other rows whose first token differs.
-        So a model that reads ahead shows it at position cut - 1."""
-        inputs, T = self.rows[row, :self.T], self.T
-        donors = np.flatnonzero(self.side == self.side[row])
-        if len(donors) < 2:
-            donors = np.arange(len(self.rows))
-        for donor in self.rng.permutation(donors)[:64].tolist():
+        """The row's inputs before cut, then real text from other rows: the same positions of
+        another row if its token at the cut differs from this row's, else a stretch of two other
+        rows whose first token differs. So a model that reads ahead shows it at position cut - 1."""
+        inputs, R, T = self.rows[row, :self.T], len(self.rows), self.T
+        for donor in self.rng.permutation(R)[:64].tolist():
             if donor == row:
                 continue
             if self.rows[donor, cut] != inputs[cut]:
                 return np.concatenate([inputs[:cut], self.rows[donor, cut:T]])
-            nxt = int(donors[(np.searchsorted(donors, donor) + 1) % len(donors)])
-            text = self.rows[[donor, nxt], :T].reshape(-1)
+            text = self.rows[[donor, (donor + 1) % R], :T].reshape(-1)
             for start in self.rng.integers(0, T, size=8).tolist():
                 if text[start] != inputs[cut]:
                     return np.concatenate([inputs[:cut], text[start:start + T - cut]])
@@ -316,13 +311,9 @@ class _Scorer:
             self.tokens[row] = int(counted.sum())
             if row in self.needed:
                 self.references[row] = lp[i].clone()
-                for probe, probe_lp in self.waiting.pop(row, []):
-                    self._check_probe(probe, probe_lp)
         for i, probe in enumerate(batch.probes, start=len(batch.rows)):
-            if probe.row in self.references:
+            if probe.cut > 0:  # a filler (cut 0) only pads a short batch of the first pass
                 self._check_probe(probe, lp[i])
-            else:
-                self.waiting[probe.row].append((probe, lp[i].clone()))
         if batch.keep:
             self.kept = (batch, lp.clone())
 
@@ -341,23 +332,15 @@ class _Scorer:
     def _inputs(self, rows: list[int], probes: list[Probe]) -> np.ndarray:
         return np.concatenate([self.rows[rows, :self.T]] + [p.inputs[None] for p in probes])
 
-    def _padded(self, probes: list[Probe], size: int, k: int) -> list[Probe]:
-        """probes, padded to size with repeats of the other side's rows (themselves probes): in the
-        first pass any of them (their log-probs will be kept when the second pass scores them), in
-        the second those already kept."""
-        if k == 0:
-            pool = np.flatnonzero(self.side == 1)
-            pool = pool if len(pool) else np.flatnonzero(self.side == 0)
-        else:
-            pool = np.array(sorted(r for r in self.references if self.side[r] == 0))
-        rows = self.rng.choice(pool, size=size - len(probes)).tolist()
-        self.needed.update(rows)
-        return probes + [self._repeat(int(r)) for r in rows]
+    def _padded(self, probes: list[Probe], size: int) -> list[Probe]:
+        """probes, padded to size with repeats of rows that have a probe (themselves probes)."""
+        pool = sorted(self.needed)
+        return probes + [self._repeat(int(r)) for r in self.rng.choice(pool, size=size - len(probes))]
 
     def run_pass(self, k: int, forward, compute_dtype: str | None) -> None:
-        """Pass k through forward: the rows of side k in row order, with the probes of the other
-        side's rows in the padding of a short batch and in probe batches at secret points; the
-        second pass also replays a first-pass batch and runs one first-pass row alone."""
+        """Pass 0 through forward: every row, in row order, in batches of B (a short last batch
+        filled with copies of its own rows, not compared). Pass 1: every probe, in batches of B at
+        random, then a first-pass batch replayed and one row alone."""
         t0 = time.time()
         if k == 0:
             self.compute_dtype, self.tol = compute_dtype, tolerances_for(compute_dtype)
@@ -365,25 +348,18 @@ class _Scorer:
             raise EvalRefused(f"the model reported compute dtype {compute_dtype} in one worker and "
                               f"{self.compute_dtype} in the other")
         B = self.B
-        mine = np.flatnonzero(self.side == k).tolist()
-        probes = [p for p in self.probes if self.side[p.row] != k]
-        probes = [probes[i] for i in self.rng.permutation(len(probes))]
-        batches = [mine[i:i + B] for i in range(0, len(mine), B)]
-        full = [j for j, rows in enumerate(batches) if len(rows) == B] or list(range(len(batches)))
-        replay_at = int(self.rng.choice(full)) if k == 0 and batches else -1
-        for j, rows in enumerate(batches):
-            padding = self._padded([probes.pop() for _ in range(min(B - len(rows), len(probes)))], B - len(rows), k)
-            self._submit(forward, Batch(rows, padding, self._inputs(rows, padding), keep=j == replay_at))
-            if len(probes) >= B and self.rng.random() < PROBE_BATCH_CHANCE:
-                batch = [probes.pop() for _ in range(B)]
+        if k == 0:
+            for j, rows in enumerate(self.batches):
+                filler = [Probe(rows[i % len(rows)], 0, self.rows[rows[i % len(rows)], :self.T])
+                          for i in range(B - len(rows))]
+                self._submit(forward, Batch(rows, filler, self._inputs(rows, filler), keep=j == self.replay_at))
+        else:
+            probes = [self.probes[i] for i in self.rng.permutation(len(self.probes))]
+            for i in range(0, len(probes), B):
+                batch = self._padded(probes[i:i + B], B)
                 self._submit(forward, Batch([], batch, self._inputs([], batch)))
-        while probes:
-            batch = self._padded([probes.pop() for _ in range(min(B, len(probes)))], B, k)
-            self._submit(forward, Batch([], batch, self._inputs([], batch)))
-        if k == 1:
-            if self.kept is not None:
-                kept = self.kept[0]
-                self._submit(forward, Batch(kept.rows, kept.probes, kept.inputs, purpose="replay"))
+            kept = self.kept[0]
+            self._submit(forward, Batch(kept.rows, kept.probes, kept.inputs, purpose="replay"))
             self._submit(forward, Batch([self.alone], [], self.rows[[self.alone], :self.T], purpose="alone"))
         self._drain(forward)
         self.pass_seconds.append(time.time() - t0)
@@ -393,8 +369,6 @@ class _Scorer:
         for k in range(self.PASSES):
             with open_pass(k) as (forward, compute_dtype):
                 self.run_pass(k, forward, compute_dtype)
-        if any(self.waiting.values()):
-            raise RuntimeError("a probe's original was never scored")  # the plan guarantees it is
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,6 +429,9 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
     gather every rank's per-row sums and add them in row order. EvalRefused on every rank if any
     rank found a broken check."""
     rank, world = _distributed()
+    if len(rows) < world:
+        raise HarnessError(f"{len(rows)} rows for {world} ranks: every rank needs a row; score more tokens "
+                           "(--max-tokens) or run fewer ranks")
     mine = np.arange(rank, len(rows), world)
     vocab = tokenizer.get_vocab_size()
     token_bytes = get_token_bytes("cpu", tokenizer).numpy().astype(np.int64)

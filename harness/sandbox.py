@@ -197,7 +197,9 @@ SYSCALLS = {
         "fremovexattr": 199, "setxattrat": 463, "removexattrat": 466,
         "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260, "fchmodat": 268,
         "fchmodat2": 452, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
-        "socket": 41, "ioctl": 16}),
+        "socket": 41, "ioctl": 16, "bind": 49, "connect": 42, "listen": 50, "clone": 56, "clone3": 435,
+        "prlimit64": 302, "fadvise64": 221, "readahead": 187, "mincore": 27, "cachestat": 451, "madvise": 28,
+        "preadv2": 327}),
     "aarch64": (0xC00000B7, {
         "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
         "mq_getsetattr": 185, "msgget": 186, "msgctl": 187, "msgrcv": 188, "msgsnd": 189, "semget": 190,
@@ -208,7 +210,9 @@ SYSCALLS = {
         "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16,
         "setxattrat": 463, "removexattrat": 466,
         "fchmod": 52, "fchmodat": 53, "fchownat": 54, "fchown": 55, "utimensat": 88, "fchmodat2": 452,
-        "socket": 198, "ioctl": 29}),
+        "socket": 198, "ioctl": 29, "bind": 200, "connect": 203, "listen": 201, "clone": 220, "clone3": 435,
+        "prlimit64": 261, "fadvise64": 223, "readahead": 213, "mincore": 232, "cachestat": 451, "madvise": 233,
+        "preadv2": 286}),
 }
 # Refused (EPERM): state that outlives a process or is shared between processes (System V IPC, POSIX
 # message queues, kernel keyrings); io_uring (its operations bypass this filter: sockets, xattrs);
@@ -217,15 +221,22 @@ SYSCALLS = {
 DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
           "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
           "mq_getsetattr", "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter",
-          "io_uring_register", "setsid", "setpgid", "unshare", "setns", "perf_event_open", "bpf")
+          "io_uring_register", "setsid", "setpgid", "unshare", "setns", "perf_event_open", "bpf", "bind", "connect",
+          "listen", "mincore")
+# Which pages of a file are in memory is readable across processes, a channel from one worker to the
+# next: the calls that set or read it directly are refused, or report success and do nothing.
+NOT_IMPLEMENTED = ("clone3", "cachestat")  # ENOSYS: the C library falls back to clone(), whose flags are checked
 NOT_SUPPORTED = ("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
                  "removexattrat")
 PRETEND_DONE = ("chmod", "fchmod", "chown", "fchown", "lchown", "fchownat", "fchmodat", "fchmodat2", "utime",
-                "utimes", "futimesat", "utimensat")
+                "utimes", "futimesat", "utimensat", "fadvise64", "readahead")
 # socket() fails for every family (the worker talks to the harness over the socket pair it was given;
 # socketpair() still works); ioctl() that sets inode flags or attributes fails.
 DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C6620, 0x40087602, 0x40047602)  # FS_IOC_SETFLAGS (and 32-bit),
                                                                              # FS_IOC_FSSETXATTR, FS_IOC_SETVERSION (and 32-bit)
+CLONE_NEW_FLAGS = 0x7E020080  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+RWF_NOWAIT = 0x8  # preadv2: read only what is cached (a page-cache probe)
+PAGE_ADVICE = (3, 20, 21)  # madvise MADV_WILLNEED, MADV_COLD, MADV_PAGEOUT
 
 
 def seccomp_arch() -> str | None:
@@ -237,15 +248,35 @@ def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("<HBBI", code, jt, jf, k & 0xFFFFFFFF)
 
 
+BPF_JSET_K = 0x45
+
+
+def _arg_checks(number: int, arg: int, tests: list[tuple[str, int, int]]) -> list[bytes]:
+    """For syscall `number`: load the low half of argument `arg`, answer as the first matching test
+    says (("eq", v, answer): the argument is v; ("set", mask, answer): it has a bit of mask;
+    ("nonzero", 0, answer)), and otherwise allow the call."""
+    block = [_bpf(BPF_LD_W_ABS, 0, 0, 16 + 8 * arg)]
+    for kind, value, answer in tests:
+        if kind == "nonzero":
+            block += [_bpf(BPF_JEQ_K, 1, 0, 0), _bpf(BPF_RET_K, 0, 0, answer)]
+        else:
+            block += [_bpf(BPF_JEQ_K if kind == "eq" else BPF_JSET_K, 0, 1, value), _bpf(BPF_RET_K, 0, 0, answer)]
+    block.append(_bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    return [_bpf(BPF_JEQ_K, 0, len(block), number)] + block
+
+
 def seccomp_program(arch: str) -> bytes:
     """A classic-BPF filter: other architectures' calls (x86's 32-bit and x32 ABIs) fail, the
-    listed calls get their answer, socket() fails, ioctl() fails for the listed requests,
-    everything else runs."""
+    listed calls get their answer, socket() fails, a few calls fail for some arguments (ioctl
+    requests that set inode flags, prlimit64 on another process, clone into new namespaces,
+    madvise and preadv2 probes of the page cache), everything else runs."""
     audit_arch, numbers = SYSCALLS[arch]
     eperm, enotsup = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.EOPNOTSUPP
+    done = SECCOMP_RET_ERRNO | 0
     answers = [(numbers[n], eperm) for n in DENIED if n in numbers]
+    answers += [(numbers[n], SECCOMP_RET_ERRNO | errno.ENOSYS) for n in NOT_IMPLEMENTED if n in numbers]
     answers += [(numbers[n], enotsup) for n in NOT_SUPPORTED if n in numbers]
-    answers += [(numbers[n], SECCOMP_RET_ERRNO | 0) for n in PRETEND_DONE if n in numbers]
+    answers += [(numbers[n], done) for n in PRETEND_DONE if n in numbers]
     answers += [(numbers["socket"], SECCOMP_RET_ERRNO | errno.EACCES)]
     prog = [_bpf(BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
             _bpf(BPF_JEQ_K, 1, 0, audit_arch),
@@ -255,11 +286,14 @@ def seccomp_program(arch: str) -> bytes:
         prog += [_bpf(BPF_JGE_K, 0, 1, 0x40000000), _bpf(BPF_RET_K, 0, 0, eperm)]  # the x32 ABI
     for number, answer in answers:
         prog += [_bpf(BPF_JEQ_K, 0, 1, number), _bpf(BPF_RET_K, 0, 0, answer)]
-    ioctl_check = [_bpf(BPF_JEQ_K, 0, 1 + 2 * len(DENIED_IOCTLS), numbers["ioctl"]),
-                   _bpf(BPF_LD_W_ABS, 0, 0, 24)]  # seccomp_data.args[1] (low half): the request
-    for request in DENIED_IOCTLS:
-        ioctl_check += [_bpf(BPF_JEQ_K, 0, 1, request), _bpf(BPF_RET_K, 0, 0, eperm)]
-    prog += ioctl_check + [_bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW)]
+    # each block below leaves the accumulator holding an argument, so it ends in an answer; the
+    # jump over a block that does not apply keeps the syscall number for the next one
+    prog += _arg_checks(numbers["ioctl"], 1, [("eq", r, eperm) for r in DENIED_IOCTLS])
+    prog += _arg_checks(numbers["prlimit64"], 0, [("nonzero", 0, eperm)])
+    prog += _arg_checks(numbers["clone"], 0, [("set", CLONE_NEW_FLAGS, eperm)])
+    prog += _arg_checks(numbers["madvise"], 2, [("eq", a, done) for a in PAGE_ADVICE])
+    prog += _arg_checks(numbers["preadv2"], 5, [("set", RWF_NOWAIT, enotsup)])
+    prog += [_bpf(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW)]
     return b"".join(prog)
 
 

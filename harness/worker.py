@@ -109,6 +109,23 @@ def worker_environment(private_dir: Path, kit_dir: Path, tokenizer_copy: Path | 
     return env
 
 
+def copy_code(submission: Submission, dest: Path) -> Path:
+    """The submission's code (train.py, inference.py, kernels/), copied from the harness's copy into
+    the worker's own folder: no two workers read the same source files, so their access times and
+    cached pages carry nothing from one to the next. (The checkpoint is read from the shared copy.)"""
+    dest.mkdir()
+    for name in ("train.py", "inference.py", "kernels"):
+        source = submission.dir / name
+        if source.is_file():
+            shutil.copyfile(source, dest / name)
+        for root, _, files in os.walk(source) if source.is_dir() else ():
+            target = dest / Path(root).relative_to(submission.dir)
+            target.mkdir(exist_ok=True)  # plain modes: the copy must be removable by the harness
+            for f in files:
+                shutil.copyfile(Path(root) / f, target / f)
+    return dest
+
+
 def copy_kit(dest: Path) -> None:
     """The kit's harness code, copied for a worker (so no rule of its sandbox names the kit's folder,
     which may hold anything)."""
@@ -205,7 +222,6 @@ class Worker:
                  local_rank: int = 0, tokenizer=None, protected=(), use_sandbox: bool = True):
         if mode not in ("model", "scorer"):
             raise ValueError(f"unknown worker mode {mode!r}")
-        participant_file = submission.train_py if mode == "model" else submission.inference_py
         self.mode, self.label, self.deadline = mode, label, deadline
         self.not_official_because: list[str] = []
         self.sandbox_applied: list[str] = []
@@ -218,6 +234,8 @@ class Worker:
             tokenizer_copy = self.private_dir / "tokenizer.json"
             shutil.copyfile(tokenizer.path, tokenizer_copy)
         copy_kit(self.private_dir / "kit")
+        code = copy_code(submission, self.private_dir / "code")
+        participant_file = code / ("train.py" if mode == "model" else "inference.py")
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._forwarded = 0
         self._output_lock = threading.Lock()
