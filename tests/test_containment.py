@@ -635,6 +635,25 @@ if os.environ.get("SUBMISSION_PROBE_CONTROL") != "1":
     import fcntl
     attempt("inode_flags", lambda: fcntl.ioctl(open("own.txt", "w"), 0x40086602, b"\\0" * 8))
     print("PROBE env", "SEEN" if os.environ.get("AWS_SECRET_ACCESS_KEY") else "HIDDEN", file=sys.stderr)
+    import resource
+    attempt("prlimit_parent", lambda: resource.prlimit(PARENT, resource.RLIMIT_NOFILE))
+
+    def clone_new_user():
+        child = ctypes.CDLL(None, use_errno=True).syscall(56 if os.uname().machine == "x86_64" else 220,
+                                                          0x10000000 | 17, 0, 0, 0, 0)  # CLONE_NEWUSER | SIGCHLD
+        if child == 0:
+            os._exit(0)
+        if child < 0:
+            raise OSError(ctypes.get_errno(), "clone")
+        os.waitpid(child, 0)
+
+    attempt("clone_new_namespace", clone_new_user)
+    attempt("bind_abstract", lambda: socket.socketpair()[0].bind(b"\\0frontier-probe"))
+    import mmap
+    mapped = mmap.mmap(-1, 4096)  # page-aligned: mincore would answer for it
+    attempt("mincore", lambda: libc_call("mincore", ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(mapped))),
+                                         4096, ctypes.create_string_buffer(1)))
+    attempt("preadv2_nowait", lambda: os.preadv(os.open(KIT_FILE, os.O_RDONLY), [bytearray(16)], 0, os.RWF_NOWAIT))
     before = os.stat(KIT_FILE)
     os.utime(KIT_FILE, (1, 1))
     os.chmod(KIT_FILE, 0o777)
@@ -650,7 +669,8 @@ class Cheat(Model):
 DENIED = ("read_file", "read_via_proc_root", "list_tmp", "write_tmp", "write_dev_shm", "write_kit", "parent_environ",
           "parent_fd", "parent_cwd", "tcp_connect", "tcp_bind", "unix_socket", "netlink_socket", "signal_parent",
           "sysv_shm", "sysv_msg", "posix_mq", "keyring", "xattr", "hostname", "udp_socket", "mptcp_socket",
-          "io_uring", "setsid", "unshare", "read_etc_shadow", "inode_flags")
+          "io_uring", "setsid", "unshare", "read_etc_shadow", "inode_flags", "prlimit_parent", "clone_new_namespace",
+          "bind_abstract", "mincore", "preadv2_nowait")
 
 
 def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest_runs):
@@ -671,6 +691,8 @@ def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, hon
     assert result.returncode == 0, result.stderr[-3000:]
     probes = dict(line.split()[2:4] for line in result.stderr.splitlines() if line.startswith("[worker] PROBE "))
     assert {k: probes.get(k) for k in DENIED} == {k: "DENIED" for k in DENIED}, probes
+    kinds = {line.split()[2]: line.split()[-1] for line in result.stderr.splitlines() if line.startswith("[worker] PROBE ")}
+    assert kinds["mincore"] == kinds["prlimit_parent"] == kinds["bind_abstract"] == "PermissionError", kinds
     assert probes["metadata"] == "UNCHANGED" and probes["write_private"] == "ALLOWED" and probes["env"] == "HIDDEN"
     assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
     assert lines["sandbox"].startswith("capabilities + landlock-") and "seccomp" in lines["sandbox"]

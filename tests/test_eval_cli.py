@@ -95,3 +95,20 @@ def test_eval_public_under_torchrun_gives_the_single_process_number(tmp_path, te
     assert multi.returncode == 0, multi.stderr[-3000:]
     a, b = _lines(single.stdout), _lines(multi.stdout)
     assert a["val_bpb"] == b["val_bpb"] and b["world_size"].strip() == "2" and multi.stdout.count("val_bpb") == 1
+
+
+@pytest.mark.slow
+def test_more_ranks_than_rows_is_one_clear_error_and_leaves_nothing(tmp_path, text_dataset, checkpoint):
+    import os
+    import subprocess
+    import sys
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "prepare.py"), "eval-public", "--train-py", str(FIXTURE), "--checkpoint",
+                             str(checkpoint), "--max-tokens", "1024", "--device", "cpu"], cwd=REPO,
+                            env=dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), TMPDIR=str(scratch)),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "1 rows for 2 ranks" in result.stderr
+    assert "Traceback" not in result.stderr.split("error:")[0] and "val_bpb" not in result.stdout
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("frontier-")] == []
