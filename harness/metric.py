@@ -5,26 +5,31 @@ best-fit rows of EVAL_SEQ_LEN + 1 tokens, in file order), with cross-entropy rec
 fp32 from the logits the model returns, targets of byte length 0 (special tokens) left out.
 
 The model is untrusted, so the contract is checked on the same kind of rows that are scored:
-- probes are twins of scored rows, drawn after the fact from a secret per-run seed: the same row
-  with everything from a secret cut point on replaced by other real validation text (causality:
-  every log-prob before the cut must agree), or the same row again in another batch (batch
-  independence); cut points run through every position of the row over a run;
-- probe rows travel in batches of the scoring shape, at secret points of the run, and fill the
-  padding of a short last batch, so the model cannot tell them from scored rows without
-  remembering what it saw;
-- one scored batch is replayed exactly (the same batch twice gives the same result), and one row
-  runs alone (the batch size must not matter, up to rounding);
+- probes are twins of scored rows, drawn from a secret per-run seed: the same row with everything
+  from a secret cut point on replaced by other real validation text (causality: every log-prob
+  before the cut must agree), or the same row again in another batch (batch independence); cut
+  points run through every position of the row over a run;
+- two passes, for the command line two worker processes one after the other: the first scores
+  every row, the second runs every probe, a replay of one first-pass batch (the same batch must
+  give the same answer) and one row alone (the batch size must not matter, up to rounding). A
+  probe never runs before, or beside, its original, so neither worker can answer a probe from
+  memory of its original;
+- probes travel in batches of the scoring shape (a twin has its original's length, padding and
+  batch size);
+- logits must be numbers within +-LOGIT_LIMIT, so every log-prob, difference and sum is finite,
+  and every check is "refuse unless |difference| <= tolerance";
 - tolerances are absolute, on log-softmax values, chosen by the compute dtype; compared are the
   log-prob of the row's own target and of a few secret token ids at every position.
 The comparisons use log-softmax values computed here from logits the model returned, so a value
 the model controls (like the size of its largest logit) never widens a tolerance.
 
 Two ways in: the command line (`prepare.py eval-public` / `eval`) runs the participant's model in
-a separate worker process (harness/worker.py) and is the official number; evaluate_bpb(model, ...)
-runs a model in the caller's process, for train.py's own end-of-run figure (informational: the
-participant's code shares that process). Both use the same rows, checks and arithmetic, so an
-honest model gets the same number from both. Under torchrun, rows are strided over ranks and the
-per-row sums are gathered and added in row order: the same number at any world size.
+sandboxed worker processes (harness/worker.py) and is the official number; evaluate_bpb(model, ...)
+runs a model in the caller's process, both passes on the same model, for train.py's own end-of-run
+figure (informational: the participant's code shares that process). Both use the same rows, checks
+and arithmetic, so an honest model gets the same number from both. Under torchrun, rows are strided
+over ranks and the per-row sums are gathered and added in row order: the same number at any world
+size.
 """
 from __future__ import annotations
 
