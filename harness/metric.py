@@ -74,7 +74,7 @@ LOGIT_LIMIT = 1e30  # |logit| above this is refused: below it every log-prob, di
 @dataclass
 class Probe:
     row: int  # index into this rank's rows
-    cut: int  # positions [0, cut) must agree; cut == seq_len: the whole row (a repeat)
+    cut: int  # positions [0, cut) must agree; cut == seq_len: the whole row (a repeat); 0: a filler, not compared
     inputs: np.ndarray  # int32 [seq_len]: the row's inputs up to the cut, other text after it
 
 
