@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -56,6 +57,9 @@ class Cheat(Model):
         return logits
 ''',
 }
+
+# these change their answers over the run rather than per row
+STATEFUL = {"peek_after_warmup"}
 
 GAINS_NOTHING = {
     # rebinds the harness's functions and torch's losses when it is imported
@@ -113,7 +117,11 @@ class Cheat(Model):
 def test_a_model_that_reads_ahead_is_refused(tmp_path, checkpoint, text_dataset, attack):
     result, lines = evaluate(participant(tmp_path, attack, ATTACKS[attack]), checkpoint, text_dataset)
     assert result.returncode == 1, (result.stdout, result.stderr)
-    assert "not causal" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr
+    if attack in STATEFUL:  # honest at first, so whichever check meets the change first refuses it
+        assert re.search(r"\(check (causality|batch_content|replay|batch_size): ", result.stderr), result.stderr
+    else:
+        assert "not causal" in result.stderr, result.stderr
     assert "val_bpb" not in lines
 
 
