@@ -18,7 +18,7 @@ OFFICIAL = REPO / "tests" / "fixtures" / "official_style_train.py"
 
 
 def _summary(stdout: str) -> dict:
-    """The summary lines (rank 1's own line may interleave with rank 0's output)."""
+    """The summary lines after the "---" (rank 0 prints them all)."""
     after = stdout.split("---", 1)[1]
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in after.splitlines() if ": " in line
                                                and "rank " not in line)}
