@@ -112,6 +112,8 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
             batches = [rows[b:b + C.VERIFY_BATCH_ROWS] for b in range(0, len(rows), C.VERIFY_BATCH_ROWS)]
             trusted = [lp for got in C.run_rows(_Forward(model, max_len), batches, tokenizer.get_bos_token_id())
                        for lp in got]
+            if any(e <= s for s, e in zip(r.starts, r.ends)):
+                continue  # an imitation whose choices tokenize alike: nothing to score (real tasks have none)
             for (lp, _), (loss, _), s, e in zip(trusted, answer, r.starts, r.ends):
                 d = np.abs(-lp[:, 0].double().numpy() - np.asarray(loss, dtype=np.float64))[s - 1:e - 1]
                 per_token = max(per_token, float(d.max()))

@@ -65,19 +65,24 @@ def rows(repo):
         return list(csv.DictReader(f, delimiter="\t"))
 
 
+STEPS = "\n    max_steps: int = 0 "
+
+
 @pytest.mark.slow
 def test_keep_discard_crash_and_timeout(kit_repo, text_dataset):
-    frozen = edit_and_commit(kit_repo, FROZEN, "baseline with frozen weights")
-    assert run_loop(kit_repo, text_dataset, "--timeout", "120").returncode == 0
+    # a fixed number of steps, far inside the budget: each run takes seconds, not the budget
+    frozen = edit_and_commit(kit_repo, {**FROZEN, STEPS: "\n    max_steps: int = 15 "}, "baseline with frozen weights")
+    fixed = ("--budget", "60", "--timeout", "120")
+    assert run_loop(kit_repo, text_dataset, *fixed).returncode == 0
     better = edit_and_commit(kit_repo, {v: k for k, v in FROZEN.items()}, "learn")
-    assert run_loop(kit_repo, text_dataset, "--timeout", "120").returncode == 0
+    assert run_loop(kit_repo, text_dataset, *fixed).returncode == 0
     worse = edit_and_commit(kit_repo, FROZEN, "freeze again")
-    result = run_loop(kit_repo, text_dataset, "--timeout", "120")
+    result = run_loop(kit_repo, text_dataset, *fixed)
     assert result.returncode == 0 and "discarded" in result.stdout
     assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better  # the branch keeps the better commit
 
     broken = edit_and_commit(kit_repo, {"def main(argv=None) -> int:": "def main(argv=None) -> int\n"}, "syntax error")
-    result = run_loop(kit_repo, text_dataset, "--timeout", "120")
+    result = run_loop(kit_repo, text_dataset, *fixed)
     assert result.returncode == 0 and "CRASH" in result.stdout and "SyntaxError" in result.stdout
     slow = edit_and_commit(kit_repo, {"    recipe, options, notes = parse_command_line(argv)\n":
                                       "    recipe, options, notes = parse_command_line(argv)\n    time.sleep(120)\n"},
@@ -110,9 +115,6 @@ def test_uncommitted_changes_are_refused(kit_repo, text_dataset):
     result = run_loop(kit_repo, text_dataset)
     assert result.returncode == 1 and "commit the experiment first" in result.stderr
     assert not (kit_repo / "autoresearch" / "results.tsv").exists()
-
-
-STEPS = "\n    max_steps: int = 0 "
 
 
 def times(row: dict) -> tuple[datetime, datetime]:

@@ -218,10 +218,13 @@ class _Forward(M.LocalForward):
         self.batch_size, self.max_len = batch_size, max_len
 
 
+SECRETS = 12  # per check and dtype; benchmarks/check_tolerances.py measures the margins with a trained model
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch, dtype):
-    """The kit's honest checkpoint through every check of eval and eval-core, with 20 secrets each in
+    """The kit's honest checkpoint through every check of eval and eval-core, with 12 secrets each in
     process (the same checks and arithmetic as the command line) and once more through each command."""
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     sys.path.insert(0, str(REPO))
@@ -231,7 +234,7 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
     model.compute_dtype = DTYPES[dtype]
     tok = prepare.ensure_tokenizer()
     refusals = []
-    for _ in range(20):
+    for _ in range(SECRETS):
         check = prepare.causality_check(model, tok, 8, 128, "cpu", max_rows=24)
         if not check["passed"]:
             refusals.append(check["message"])
@@ -248,7 +251,7 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
         import contextlib
         return contextlib.nullcontext((_Forward(model, C.VERIFY_BATCH_ROWS, max_len), M._model_dtype(model)))
 
-    for _ in range(20):
+    for _ in range(SECRETS):
         try:
             C.verify_samples(samples, open_pass, tok, random.SystemRandom())
         except C.CoreError as e:

@@ -198,7 +198,7 @@ def test_clear_errors(tmp_path, text_dataset):
           str(tmp_path / "nope.py")], "nope.py: no such file"),
         (["--bundle-dir", str(good), "--tasks", "mc_plain,nope"] + base, "--tasks: unknown ['nope']"),
         (["--bundle-dir", str(good), "--inference-py", str(slow), "--checkpoint", str(ckpt), "--verify-fraction", "0",
-          "--timeout", "15"], "CORE did not finish within 15s"),
+          "--timeout", "8"], "CORE did not finish within 8s"),
     ]
     (tmp_path / "nothing").mkdir()
     for args, message in cases:
