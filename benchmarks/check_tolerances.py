@@ -92,10 +92,12 @@ class _Forward(M.LocalForward):
 
 
 def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> dict:
+    # measure the honest differences in full, past the harness's tolerances (printed beside them)
+    C.VERIFY_LOSS_TOLERANCE = C.VERIFY_GREEDY_TOLERANCE = float("inf")
     model = load(checkpoint, dtype)
     scorer = inference.Scorer(model, torch.device("cpu"))
     rng = random.Random(0)
-    per_token = per_mean = 0.0
+    per_token = per_mean = greedy_gap = 0.0
     flips, decisions = [], 0
     for label, task_type, shots, delimiter, _, context_words, choices, choice_words in CORE_TASKS:
         task = C.Task(label, task_type, shots, delimiter, "", 25.0)
@@ -123,11 +125,17 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
             decisions += 1
             try:
                 found = C.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"), "exact_match": float("inf")}})
+                greedy_gap = max(greedy_gap, found["greedy"])
                 if found["flipped"]:
                     flips.append(found["margin_flipped"])
             except C.CoreError as e:
                 print(f"  REFUSED ({dtype}, {label}): {e}")
-    return {"per_token": per_token, "per_mean": per_mean, "decisions": decisions, "flips": sorted(flips)}
+    return {"per_token": per_token, "per_mean": per_mean, "greedy_gap": greedy_gap, "decisions": decisions,
+            "flips": sorted(flips)}
+
+
+TOLERANCES = {"loss": C.VERIFY_LOSS_TOLERANCE, "greedy": C.VERIFY_GREEDY_TOLERANCE,
+              "decision": dict(C.DECISION_ALLOWANCE_NATS)}  # the harness's, before core_differences lifts them
 
 
 def main():
@@ -136,20 +144,22 @@ def main():
     parser.add_argument("--secrets", type=int, default=10)
     parser.add_argument("--examples", type=int, default=4, help="imitated examples per CORE task")
     parser.add_argument("--max-tokens", type=int, default=2**16)
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     args = parser.parse_args()
     checkpoint = args.checkpoint or save_random_checkpoint("cpu", random_projections=True)
     tokenizer = prepare.ensure_tokenizer()
     torch.manual_seed(0)
     print(f"checkpoint: {checkpoint}")
-    for dtype in ("fp32", "bf16"):
+    for dtype in args.dtypes.split(","):
         b = bpb_checks(checkpoint, dtype, tokenizer, args.secrets, args.max_tokens)
         c = core_differences(checkpoint, dtype, tokenizer, args.examples)
         tol = M.tolerances_for(b["compute_dtype"] if b["compute_dtype"] != "unknown" else None)
         print(f"--- {dtype} (model reports {b['compute_dtype']}; tolerances {tol})")
         print(f"val_bpb, in process, {args.secrets} secrets: " + ", ".join(f"{k} {v:.3g}" for k, v in b["in_process"].items()))
         print("val_bpb, two workers: " + ", ".join(f"{k} {v:.3g}" for k, v in b["workers"].items()))
-        print(f"CORE, inference.py vs trusted path: per token {c['per_token']:.3g}, per mean {c['per_mean']:.3g} "
-              f"nats; {len(c['flips'])} of {c['decisions']} decisions differ, trusted margins {c['flips'][:8]}")
+        print(f"CORE, inference.py vs trusted path: per token {c['per_token']:.3g}, per mean {c['per_mean']:.3g}, "
+              f"greedy gap {c['greedy_gap']:.3g} nats; {len(c['flips'])} of {c['decisions']} decisions differ, "
+              f"trusted margins {c['flips'][:8]} (harness: {TOLERANCES})")
 
 
 if __name__ == "__main__":

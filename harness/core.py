@@ -68,15 +68,21 @@ EXAMPLES_PER_CALL = 256  # examples whose sequences go to the scorer in one call
 CORE_TIMEOUT_SECONDS = 3600  # the organisers' limit for CORE; here it covers the workers' loads and the verification too
 VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted path (secret sample)
 VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
-VERIFY_LOSS_TOLERANCE = 0.05  # nats: a choice's mean loss, inference.py's vs the trusted one
-VERIFY_GREEDY_TOLERANCE = 0.05  # nats: a claimed greedy token's log-prob may trail the trusted best by this
+# inference.py's answers against the trusted path's (train.py's model, other batches and padding, no
+# prefix cache). Measured (benchmarks/check_tolerances.py --examples 40: a CPU-preset model trained 2
+# minutes, 879 imitated examples of the 22 tasks at up to 1,024 tokens, CPU): bf16 per-token log-probs
+# differ by up to 0.0442 nats and mean losses by up to 0.0187 (fp32: 3.8e-6 and 1.9e-6); the bf16 gap is
+# the logits' own rounding (a bf16 logit near 16 moves in steps of 0.0625). Each tolerance is at least
+# 2.5 times the honest difference it bounds, rounded up:
+VERIFY_LOSS_TOLERANCE = 0.1  # nats: a choice's mean loss, inference.py's vs the trusted one (5.3x 0.0187)
+# a claimed greedy token's log-prob may trail the trusted best by this: at a near-tie both log-probs
+# move, so an honest gap reaches twice the per-token difference (2 x 0.0442 x 2.5 = 0.22)
+VERIFY_GREEDY_TOLERANCE = 0.25
 # A decision of inference.py's that differs from the trusted path's is accepted only where the trusted
-# decision is this close to flipping (nats): the honest difference between the two paths' log-probs
-# (other batches and padding, the prefix cache) can flip a near-tie, and nothing more. Measured
-# (benchmarks/check_tolerances.py, a trained CPU-preset model, CPU): bf16 per-token log-probs differ by
-# up to 0.0039 nats and mean losses by up to 0.00018 (fp32: 3e-6); an allowance is twice that (either
-# side may move) times 2.5, rounded up. A choice hinges on mean losses, an exact match on single tokens.
-DECISION_ALLOWANCE_NATS = {"choice": 1e-3, "exact_match": 2e-2}
+# decision is this close to flipping (nats): the honest difference can flip a near-tie, and nothing
+# more. Either side of a tie may move, so twice the measured difference, times 2.5, rounded up; a
+# choice hinges on mean losses (2 x 0.0187), an exact match on single tokens (2 x 0.0442).
+DECISION_ALLOWANCE_NATS = {"choice": 0.1, "exact_match": 0.25}
 VERIFY_BATCH_ROWS = 4  # rows per forward of the trusted path
 VERIFY_LENGTH_BUCKET = 64  # the trusted path pads each forward to a multiple of this length
 VERIFY_SECRET_IDS = 8  # token ids compared at every position of a twin, besides the sequence's own

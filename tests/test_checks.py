@@ -126,13 +126,13 @@ GOLD, WRONG = {gold!r}, {wrong!r}
 
 class Nudged(Scorer):
     """Scores honestly, then moves every gold choice's losses down and every wrong choice's up by
-    0.045 nats: each mean within the 0.05 loss tolerance of the truth."""
+    just under the loss tolerance: each mean within it of the truth."""
 
     def score(self, sequences):
         out = []
         for seq, (losses, greedy) in zip(sequences, super().score(sequences)):
             key = hash(tuple(seq))
-            out.append((losses - 0.045 if key in GOLD else losses + 0.045 if key in WRONG else losses, greedy))
+            out.append((losses - {nudge} if key in GOLD else losses + {nudge} if key in WRONG else losses, greedy))
         return out
 
 
@@ -169,7 +169,8 @@ def test_core_nudged_within_the_loss_tolerance_is_refused(tmp_path, text_dataset
     max_len = int(T.load_for_eval(str(tiny_checkpoint), torch.device("cpu")).cos.shape[1])
     gold, wrong = gold_and_wrong(bundle, tok, max_len)
     forged = tmp_path / "nudged.py"
-    forged.write_text((REPO / "inference.py").read_text() + NUDGE.format(gold=gold, wrong=wrong))
+    nudge = C.VERIFY_LOSS_TOLERANCE - 0.005
+    forged.write_text((REPO / "inference.py").read_text() + NUDGE.format(gold=gold, wrong=wrong, nudge=nudge))
     base = ["eval-core", "--checkpoint", str(tiny_checkpoint), "--train-py", str(REPO / "train.py"),
             "--bundle-dir", str(bundle)]
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}

@@ -136,12 +136,12 @@ def test_injected_nan_stops_cleanly_without_a_checkpoint(tmp_path, text_dataset)
 
 
 def test_short_budget_is_respected_including_the_save(tmp_path, text_dataset):
-    result = run_train([*TINY, "--time-budget", "20", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
+    result = run_train([*TINY, "--time-budget", "12", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
                        {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     s = summary(result.stdout)
-    assert s["over_budget"] == "False" and float(s["charged_seconds"]) <= 20.0
-    assert float(s["charged_seconds"]) > 5.0  # it trained for most of the time it had
+    assert s["over_budget"] == "False" and float(s["charged_seconds"]) <= 12.0
+    assert float(s["charged_seconds"]) > 3.5  # it trained for most of the 7 s it had (5 s are kept for the save)
     assert (tmp_path / "out" / "final.pt").exists()
 
 
