@@ -405,23 +405,31 @@ def test_the_kernels_folder_is_copied_and_hashed(tmp_path, checkpoint, text_data
 
 NEVER_ANSWERS = {
     "buffers": '''
+import sys
 import time
 
 import __main__  # the worker runs as `python -m harness.child`
 
 
-__main__.Child.buffers = lambda self, msg, fds: time.sleep(10**6)
+def stall(self, msg, fds):
+    print("STALLING", file=sys.stderr, flush=True)
+    time.sleep(10**6)
+
+
+__main__.Child.buffers = stall
 
 
 class Cheat(Model):
     pass
 ''',
     "forward": '''
+import sys
 import time
 
 
 class Cheat(Model):
     def forward(self, idx):
+        print("STALLING", file=sys.stderr, flush=True)
         time.sleep(10**6)
 ''',
 }
@@ -433,9 +441,10 @@ def test_a_worker_that_never_answers_meets_the_deadline(tmp_path, checkpoint, te
     scratch.mkdir()
     t0 = time.time()
     result, lines = evaluate(participant(tmp_path, where, NEVER_ANSWERS[where]), checkpoint, text_dataset,
-                             "--timeout", "15", env={"TMPDIR": str(scratch)})
-    assert_refused(result, lines, "did not finish within 15s (--timeout)")
-    assert time.time() - t0 < 15 + 30
+                             "--timeout", "10", env={"TMPDIR": str(scratch)})  # ~3 s reach the stall
+    assert_refused(result, lines, "did not finish within 10s (--timeout)")
+    assert "STALLING" in result.stderr  # the deadline met the stall, not a slow start
+    assert time.time() - t0 < 10 + 30
     assert list(scratch.iterdir()) == []  # the worker's and the submission's folders are gone
 
 
