@@ -208,3 +208,17 @@ class NaNModel(UniformModel):
 class WrongShapeModel(UniformModel):
     def forward(self, idx):
         return torch.zeros(idx.shape[0], self.vocab)  # forgot the time dimension
+
+
+def git(repo, *args) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def commit_new_repo(repo: Path, branch: str, message: str) -> Path:
+    """git init repo on branch, and commit everything in it as one commit."""
+    git(repo, "init", "-q", "-b", branch)
+    git(repo, "config", "user.email", "test@example.com")
+    git(repo, "config", "user.name", "test")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", message)
+    return repo

@@ -11,7 +11,7 @@ from datetime import datetime
 import pytest
 
 from conftest import TINY_TRAIN_ARGS
-from helpers import REPO
+from helpers import REPO, commit_new_repo, git
 
 sys.path.insert(0, str(REPO / "autoresearch"))
 import slots  # noqa: E402
@@ -21,9 +21,6 @@ KIT_FILES = ["prepare.py", "harness", "train.py", ".gitignore", "tokenizer", "ke
 FROZEN = {f"\n    {name}: float = {value} ": f"\n    {name}: float = 0.0 " for name, value in
           (("embedding_lr", 0.6), ("unembedding_lr", 0.004), ("matrix_lr", 0.04), ("scalar_lr", 0.5))}
 
-
-def git(repo, *args):
-    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def edit_and_commit(repo, replacements: dict, message: str):
@@ -44,12 +41,7 @@ def kit_repo(tmp_path):
         src, dst = REPO / name, repo / name
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() else shutil.copy2(src, dst)
-    git(repo, "init", "-q", "-b", "autoresearch/test")
-    git(repo, "config", "user.email", "test@example.com")
-    git(repo, "config", "user.name", "test")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "kit")
-    return repo
+    return commit_new_repo(repo, "autoresearch/test", "kit")
 
 
 def run_loop(repo, dataset, *extra, timeout=300):

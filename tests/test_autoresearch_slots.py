@@ -16,7 +16,7 @@ from datetime import datetime
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, commit_new_repo, git
 
 sys.path.insert(0, str(REPO / "autoresearch"))
 import results  # noqa: E402
@@ -53,9 +53,6 @@ with open(args.checkpoint) as f:
 '''
 
 
-def git(repo, *args):
-    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
-
 
 @pytest.fixture
 def fake_kit(tmp_path):
@@ -66,12 +63,7 @@ def fake_kit(tmp_path):
     shutil.copy2(REPO / ".gitignore", repo / ".gitignore")
     (repo / "train.py").write_text(FAKE_TRAIN)
     (repo / "prepare.py").write_text(FAKE_PREPARE)
-    git(repo, "init", "-q", "-b", "autoresearch/test")
-    git(repo, "config", "user.email", "test@example.com")
-    git(repo, "config", "user.name", "test")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "baseline")
-    return repo
+    return commit_new_repo(repo, "autoresearch/test", "baseline")
 
 
 def commit(repo, message, **constants):
