@@ -2042,8 +2042,9 @@ ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL"
 PRESETS = {
     # A laptop CPU for 5 minutes: the winner of benchmarks/preset_sweep.py at 300 s on the 2-core
     # machine (val_bpb 1.265 against 1.585 for the depth-4, width-384 model it replaced; table in the
-    # README). Small (4.5M parameters, 0.7 tokens each in 5 minutes) and short rows, so ~700 steps of 4K
-    # tokens; compiled, because eager elementwise work on the 8192-wide logits dominates a CPU step.
+    # README), with the adopted ingredients on top. Small (4.5M parameters before the value embeddings'
+    # 3.1M, under a token each in 5 minutes) and short rows, so ~600 steps of 4K tokens; compiled,
+    # because eager elementwise work on the 8192-wide logits dominates a CPU step.
     "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
                 compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, **ADOPTED_INGREDIENTS),
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
