@@ -35,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = (("slots 1", 1, False), ("slots 2, both busy", 2, False), ("slots 2, alone", 2, True))
 WARM_UP_BUDGET = 20.0  # seconds: past the start-up steps (where compilation happens) and the save
 WARM_UP_EVAL_TOKENS = 8192
+# The loop kills a run at twice its budget in wall time, start-up included; a short budget on half a
+# 2-core machine spends most of that compiling, so each run here gets this much more room.
+START_UP_ROOM = 180.0
 
 
 def summary(log: str) -> dict:
@@ -53,7 +56,8 @@ def run_loop(kit: Path, slots: int, queued: int, budget: float, eval_tokens: int
     for _ in range(queued):
         subprocess.run([sys.executable, "loop.py", "queue", "HEAD", "--description", "baseline"],
                        cwd=kit / "autoresearch", check=True, stdout=subprocess.DEVNULL)
-    cmd = ["bash", "run.sh", "--slots", str(slots), "--budget", str(budget), "--eval-tokens", str(eval_tokens)]
+    cmd = ["bash", "run.sh", "--slots", str(slots), "--budget", str(budget), "--eval-tokens", str(eval_tokens),
+           "--timeout", str(2 * budget + START_UP_ROOM)]
     cmd += ["--device", args.device] if args.device else []
     cmd += ["--train-args", args.train_args] if args.train_args is not None else []
     log.write(f"$ {shlex.join(cmd)}\n")
