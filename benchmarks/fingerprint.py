@@ -5,8 +5,8 @@ are recorded exactly, so that a refactor can be shown to change nothing (same fi
     python benchmarks/fingerprint.py --out after.json --compare before.json
 
 Runs (each 30 steps, --dtype fp32 --no-compile, the stdlib data set of FRONTIER_CACHE_DIR, built if missing):
-the default architecture at a small width, the same with every ingredient on, and a 2-rank torchrun of the
-first with the optimizer sharded (ZeRO-1). The fingerprint holds the SHA-256 of every tensor of final.pt, its
+the default architecture at a small width, the same with every ingredient on, and 2-rank torchruns of the
+first with the optimizer sharded (ZeRO-1), and unsharded with 4 micro-batches a step. The fingerprint holds the SHA-256 of every tensor of final.pt, its
 model_config and the recipe in its meta, and the loss printed at every step."""
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ RUNS = {
     "default": (1, SMALL),
     "every-ingredient": (1, SMALL + EVERY),
     "two-ranks-sharded": (2, SMALL + ["--shard-optimizer", "on", "--grad-bucket-mb", "0.1"]),
+    "two-ranks-accumulating": (2, SMALL + ["--shard-optimizer", "off", "--device-batch-size", "1", "--grad-bucket-mb",
+                                           "0.1"]),
 }
 
 

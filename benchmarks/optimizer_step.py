@@ -51,21 +51,21 @@ def time_training(recipe: T.Recipe, options: T.RunOptions, device_type: str, ste
         T.synchronize(device)
         in_optimizer[-1] += time.perf_counter()
 
-    optimizer.register_step_pre_hook(start)
-    optimizer.register_step_post_hook(stop)
+    optimizer.optimizer.register_step_pre_hook(start)  # the update rule's step (one process: no communication)
+    optimizer.optimizer.register_step_post_hook(stop)
 
     data = random_batches(recipe.device_batch_size, recipe.seq_len, device)
     t0 = time.perf_counter()
     for _ in range(warmup):
         T.apply_schedules(optimizer, 0.1, recipe)
-        T.train_step(step_model, optimizer, data, accum, 1)
+        T.train_step(step_model, optimizer, data, accum)
     T.synchronize(device)
     warm = time.perf_counter() - t0
     in_optimizer.clear()
     t0 = time.perf_counter()
     for k in range(steps):
         T.apply_schedules(optimizer, 0.1 + 0.8 * k / steps, recipe)  # a new value every step, as in training
-        T.train_step(step_model, optimizer, data, accum, 1)
+        T.train_step(step_model, optimizer, data, accum)
     T.synchronize(device)
     step_s = (time.perf_counter() - t0) / steps
     return {"warmup_s": warm, "step_s": step_s, "tokens_per_second": recipe.total_batch_size / step_s,
@@ -107,16 +107,16 @@ def shard_worker(recipe: T.Recipe, options: T.RunOptions, steps: int, warmup: in
             optimizer.step()
             times.append(time.perf_counter() - t0)
             if k == warmup - 1:
-                optimizer.transport.comm_seconds = 0.0
-        measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.transport.comm_seconds / steps,
+                optimizer.comm_seconds = 0.0
+        measured = {"step_s": sum(times[warmup:]) / steps, "comm_s": optimizer.comm_seconds / steps,
                     "state_bytes": optimizer.state_bytes(),
-                    "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.transport.buckets
+                    "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.buckets
                                         for t in (b.flat, b.own) if t is not None)}
         rows[mode] = measured
-        optimizer.transport.remove_hooks()
+        optimizer.remove_hooks()
         model.zero_grad(set_to_none=True)
     # One file per rank, no collective after the optimizer's last: a gloo work whose tensors die in
-    # its own thread aborts a process at exit (see GradientTransport._wait).
+    # its own thread aborts a process at exit (see DataParallelOptimizer._wait).
     with open(f"{out}.{rank}", "w") as f:
         json.dump(rows, f)
     dist.destroy_process_group()

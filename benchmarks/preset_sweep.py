@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import train as T  # noqa: E402  (the ingredients and their flags)
 
 # name -> train.py flags (on top of --preset BASE). Widths: depth x aspect ratio, rounded up to the head size.
 SHAPES = {
@@ -66,19 +68,19 @@ SHAPES = {
                          "--total-batch-size", "4096", "--device-batch-size", "16"],
 }
 
-# Every ingredient off, explicitly: the baseline whatever the preset adopts. flag -> value (True/False: --x/--no-x)
-OFF = {"--value-embeds": "", "--bigram-buckets": "0", "--trigram-buckets": "0", "--smear": False, "--backout": False,
-       "--window-pattern": "L", "--sampler": "kit"}
+# Every ingredient of train.py off, explicitly (Architecture's defaults), and the kit's sampler: the baseline
+# whatever the preset adopts. field -> value
+OFF = {**{name: getattr(T.Architecture(), name) for name in T.every_ingredient()}, "sampler": "kit"}
 # name -> what it turns on over OFF
 INGREDIENTS = {
     "off": {},
-    "value-embeds": {"--value-embeds": "alternate"},  # nanochat's layers: every other one, the last included
-    "bigram": {"--bigram-buckets": "32768"},  # 4 x the vocabulary
-    "trigram": {"--bigram-buckets": "32768", "--trigram-buckets": "32768"},  # the bigram table and a trigram one
-    "smear": {"--smear": True},
-    "backout": {"--backout": True},
-    "windows": {"--window-pattern": "SSSL"},  # nanochat's pattern; short windows of a quarter of the rows
-    "keep-rest": {"--sampler": "keep-rest"},  # the data sampler that keeps the rest of a cropped document
+    "value-embeds": {"value_embeds": "alternate"},  # nanochat's layers: every other one, the last included
+    "bigram": {"bigram_buckets": 32768},  # 4 x the vocabulary
+    "trigram": {"bigram_buckets": 32768, "trigram_buckets": 32768},  # the bigram table and a trigram one
+    "smear": {"smear": True},
+    "backout": {"backout": True},
+    "windows": {"window_pattern": "SSSL"},  # nanochat's pattern; short windows of a quarter of the rows
+    "keep-rest": {"sampler": "keep-rest"},  # the data sampler that keeps the rest of a cropped document
 }
 INGREDIENTS["every"] = {k: v for name in ("value-embeds", "trigram", "smear", "backout", "windows")
                         for k, v in INGREDIENTS[name].items()}
@@ -93,10 +95,7 @@ def ingredient_flags(spec: str) -> list[str]:
         if name not in INGREDIENTS:
             raise SystemExit(f"unknown ingredient {name!r}; known: as-is, {', '.join(INGREDIENTS)} (joined by +)")
         settings.update(INGREDIENTS[name])
-    flags = []
-    for flag, value in settings.items():
-        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [f"{flag}={value}"]
-    return flags
+    return T.flags_for(settings)
 
 
 def summary(stdout: str) -> dict:

@@ -19,8 +19,7 @@ VOCAB = 512
 
 # Every ingredient of the recipe on at once: a value embedding, hashed bigram and trigram tables and smear
 # read each token's predecessors in its own sequence, and a short window counts distances by position.
-EVERY_INGREDIENT = dict(n_layer=3, value_embeds="alternate", bigram_buckets=211, trigram_buckets=199, smear=True,
-                        backout=True, window_pattern="SL", short_window=24)
+EVERY_INGREDIENT = dict(n_layer=3, **T.every_ingredient(), short_window=24)
 
 
 def tiny_gpt(dtype="fp32", seed=0, **ingredients) -> T.GPT:

@@ -23,11 +23,8 @@ from conftest import TINY_TRAIN_ARGS  # noqa: E402
 
 VOCAB = 512
 SHAPE = ["--depth", "4", "--aspect-ratio", "16", "--head-dim", "16", "--seq-len", "32"]
-EVERY_INGREDIENT = ["--value-embeds", "alternate", "--bigram-buckets", "97", "--trigram-buckets", "89", "--smear",
-                    "--backout", "--window-pattern", "SSL", "--short-window", "5"]
-ONE_AT_A_TIME = {"value_embeds": ["--value-embeds", "all"], "bigram": ["--bigram-buckets", "97"],
-                 "trigram": ["--trigram-buckets", "89"], "smear": ["--smear"], "backout": ["--backout"],
-                 "windows": ["--window-pattern", "SL", "--short-window", "4"]}
+EVERY_INGREDIENT = T.flags_for({**T.every_ingredient(), "short_window": 5})  # train.py's list of ingredients
+ONE_AT_A_TIME = {name: T.flags_for({name: on}) for name, on in T.every_ingredient().items()}
 
 
 def gpt(argv=(), seed=0, dtype="fp32", perturb=True) -> T.GPT:
@@ -43,14 +40,15 @@ def gpt(argv=(), seed=0, dtype="fp32", perturb=True) -> T.GPT:
 
 
 def test_every_ingredient_is_off_by_default_and_the_baseline_keeps_its_parameters():
-    baseline, explicit_off = gpt(perturb=False), gpt(["--value-embeds", "", "--bigram-buckets", "0", "--no-smear",
-                                                      "--window-pattern", "L"], perturb=False)
+    off = {name: getattr(T.Architecture(), name) for name in T.every_ingredient()}
+    baseline, explicit_off = gpt(perturb=False), gpt(T.flags_for(off), perturb=False)
     assert baseline.state_dict().keys() == explicit_off.state_dict().keys()
     names = {name for name, _ in baseline.named_parameters()}
     assert names == {"wte.weight", "lm_head.weight", "resid_lambdas", "x0_lambdas"} | {
         f"blocks.{i}.{part}.weight" for i in range(4) for part in
         ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
-    assert T.Recipe().value_embeds == "" and not T.Recipe().smear and T.Recipe().sampler == "kit"
+    assert all(getattr(T.Recipe().architecture, name) != on for name, on in T.every_ingredient().items())
+    assert T.Recipe().sampler == "kit"
 
 
 @pytest.mark.parametrize("name", sorted(ONE_AT_A_TIME))
@@ -59,7 +57,7 @@ def test_each_ingredient_is_wired_in(name):
     and the logits differ from the baseline's with the same shared weights."""
     model, baseline = gpt(ONE_AT_A_TIME[name]), gpt()
     added = set(model.state_dict()) - set(baseline.state_dict())
-    assert bool(added) == (name != "windows"), added
+    assert bool(added) == (name != "window_pattern"), added
     idx = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
     model(idx[:, :-1], idx[:, 1:]).backward()
     for pname, p in model.named_parameters():
@@ -79,9 +77,9 @@ def test_the_flops_count_counts_gates_not_lookups_and_windows_shorten_attention(
     gates = sum(p.numel() for name, p in every.named_parameters() if "ve_gate" in name or "smear_gate" in name)
     scalars = sum(p.numel() for p in (every.smear_lambda, every.backout_lambda))
     assert gates > 0
-    # SSL over 4 layers, the last one L: S, S, L, L; an S layer attends over 5 tokens
-    assert every.windows == [5, 5, None, None]
-    expected = base.flops_per_token() + 6 * (gates + scalars) - 2 * attention_full + 2 * 12 * c.n_embd * 5
+    # SSSL over 4 layers, the last one L: S, S, S, L; an S layer attends over 5 tokens
+    assert every.config.windows == [5, 5, 5, None]
+    expected = base.flops_per_token() + 6 * (gates + scalars) - 3 * attention_full + 3 * 12 * c.n_embd * 5
     assert every.flops_per_token() == expected
     tables = sum(t.weight.numel() for t in (every.bigram, every.trigram, *every.value_embeds.values()))
     assert every.num_params() == base.num_params() + tables + gates + scalars

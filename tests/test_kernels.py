@@ -88,17 +88,26 @@ def test_ops_use_the_reference_off_the_neuron_device():
     assert rope_qknorm.kernel_fits(torch.randn(1, 256, 5, 128)) and not rope_qknorm.kernel_fits(torch.randn(1, 100, 5, 128))
 
 
-def test_train_py_routes_ops_only_for_neuron_tensors(monkeypatch):
-    calls = []
-    monkeypatch.setitem(T.KERNELS, "rmsnorm", lambda x: calls.append(x) or x)
+def keep_ops(monkeypatch, train_module) -> dict:
+    """The ops a --nki-* flag may replace, as they are now; put back after the test whatever is bound."""
+    ops = {op: getattr(train_module, op) for op in train_module.KERNEL_OPS.values()}
+    for op, fn in ops.items():
+        monkeypatch.setattr(train_module, op, fn)
+    return ops
+
+
+def test_train_py_binds_each_flags_kernel_in_place_of_its_op_and_cpu_tensors_run_the_reference(monkeypatch):
+    plain = keep_ops(monkeypatch, T)
     x = torch.randn(4, 8)
-    assert torch.equal(T.norm(x), F.rms_norm(x, (8,)))  # a CPU tensor takes the eager path
-    assert calls == []
+    assert torch.equal(T.norm(x), F.rms_norm(x, (8,)))  # unbound: the PyTorch op
     options = T.RunOptions(nki_rmsnorm=True, nki_softcap_ce=True, nki_rope_qknorm=True, nki_relu2=True)
-    monkeypatch.setattr(T, "KERNELS", {})
-    T.enable_kernels(options)
-    assert set(T.KERNELS) == {"relu2", "rmsnorm", "rope_qknorm", "softcap_ce"}
-    assert T.KERNELS["softcap_ce"] is softcap_ce.softcap_cross_entropy
+    T.bind_kernels(options)
+    assert {op for op, fn in plain.items() if getattr(T, op) is not fn} == set(T.KERNEL_OPS.values())
+    assert T.norm is rmsnorm.rms_norm and T.rope_qknorm is rope_qknorm.rope_qknorm
+    assert T.relu_squared is T.relu_squared_nki
+    assert T.softcap_cross_entropy_rows.args == (softcap_ce.softcap_cross_entropy,)
+    assert torch.allclose(T.norm(x), F.rms_norm(x, (8,)), atol=1e-6)  # a CPU tensor takes the reference
+    assert torch.equal(T.relu_squared(x), F.relu(x).square())
 
 
 # --- the launch: logical core count, nki version, flags ---------------------------------------------
@@ -206,7 +215,7 @@ SHAPES = [  # op, shape, the grids (logical core counts) whose kernels take it; 
     ("relu2", (2, 128, 48), (1, 2)),
     ("relu2", (128, 40), (1,)),  # one 128-row tile: no even split over two cores
     ("relu2", (3, 50, 16), ()),  # 150 rows
-    ("relu2", (128, 8200), ()),  # wider than NKI_MAX_FREE
+    ("relu2", (128, 8200), ()),  # wider than RELU2_MAX_WIDTH
     ("rmsnorm", (256, 64), (1, 2)),
     ("rmsnorm", (2, 192, 96), (1,)),  # three tiles
     ("rmsnorm", (130, 64), ()),
@@ -280,9 +289,10 @@ def kit(request, monkeypatch):
         the_kit, mods = request.getfixturevalue("emulated_kit")
         for name, mod in mods.items():
             monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(the_kit.common, "KERNEL_DEVICE", "cpu")  # (train.py's relu2 op is called directly)
-    monkeypatch.setattr(the_kit.common, "_NOTICES", set())
-    monkeypatch.setattr(the_kit.train, "NKI_NOTICES", set())
+    for module in (the_kit.common, the_kit.train):  # train.py's copy of the helpers, and kernels/common.py
+        monkeypatch.setattr(module, "KERNEL_DEVICE", "cpu")
+        monkeypatch.setattr(module, "_NOTICES", set())
+    keep_ops(monkeypatch, the_kit.train)
     return the_kit
 
 
@@ -365,27 +375,73 @@ def test_a_kernel_without_the_row_split_is_caught_on_two_cores(kit, monkeypatch)
         check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")
 
 
+CONFIG = T.model_config(T.parse_command_line(["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+                                               "--seq-len", "32"])[0])
+
+
+def bound(train_module, plain: dict) -> set[str]:
+    """The ops that have a kernel bound in their place."""
+    return {op for op, fn in plain.items() if getattr(train_module, op) is not fn}
+
+
 def test_setup_kernels_stops_clearly_when_a_kernel_cannot_run(kit, monkeypatch):
+    plain = {op: getattr(kit.train, op) for op in kit.train.KERNEL_OPS.values()}
     options = T.RunOptions(nki_relu2=True, nki_softcap_ce=True)
-    monkeypatch.setattr(kit.train, "KERNELS", {})
     with pytest.raises(SystemExit, match="--nki-relu2 --nki-softcap-ce run NKI kernels, which need the neuron device"):
-        kit.train.setup_kernels(options, "cpu")
+        kit.train.setup_kernels(options, "cpu", CONFIG)
     with pytest.raises(SystemExit, match="--compile with --nki-relu2 --nki-softcap-ce: .* Drop --compile"):
-        kit.train.setup_kernels(T.RunOptions(nki_relu2=True, nki_softcap_ce=True, compile=True), "neuron")
+        kit.train.setup_kernels(T.RunOptions(nki_relu2=True, nki_softcap_ce=True, compile=True), "neuron", CONFIG)
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     with pytest.raises(SystemExit, match="NEURON_LOGICAL_NC_CONFIG is None"):
-        kit.train.setup_kernels(options, "neuron")
+        kit.train.setup_kernels(options, "neuron", CONFIG)
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
     monkeypatch.setattr(kit.common, "installed_nki_version", lambda: "0.3.0")
     with pytest.raises(SystemExit, match="nki 0.3.0 is installed"):
-        kit.train.setup_kernels(options, "neuron")
+        kit.train.setup_kernels(options, "neuron", CONFIG)
     with pytest.raises(RuntimeError, match="nki 0.3.0 is installed"):
         kit.rmsnorm.rms_norm(torch.randn(256, 64))
-    assert kit.train.KERNELS == {}
+    assert bound(kit.train, plain) == set()
     monkeypatch.setattr(kit.common, "installed_nki_version", lambda: "0.4.0")
-    kit.train.setup_kernels(options, "neuron")
-    assert set(kit.train.KERNELS) == {"relu2", "softcap_ce"}
-    kit.train.setup_kernels(T.RunOptions(), "cpu")  # no flag: nothing to check
+    kit.train.setup_kernels(options, "neuron", CONFIG)
+    assert bound(kit.train, plain) == {"relu_squared", "softcap_cross_entropy_rows"}
+    kit.train.setup_kernels(T.RunOptions(), "cpu", CONFIG)  # no flag: nothing to check
+
+
+def test_a_kernel_flag_whose_op_the_model_never_calls_is_one_clear_error(kit, monkeypatch):
+    """Replacing relu^2 by SwiGLU, or taking the plain loss, leaves a --nki-* flag nothing to replace: an error
+    (before the device checks, so on any machine), never a flag that silently does nothing."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    plain = {op: getattr(kit.train, op) for op in kit.train.KERNEL_OPS.values()}
+    with pytest.raises(SystemExit, match=r"--nki-softcap-ce replaces softcap_cross_entropy_rows\(\), which this "
+                                         "model never calls"):
+        kit.train.setup_kernels(T.RunOptions(nki_softcap_ce=True, chunked_loss=False), "cpu", CONFIG)
+
+    def swiglu(self, x):  # a participant's MLP without relu^2: c_fc's output split into a gate and a value
+        gate, value = self.c_fc(x).chunk(2, dim=-1)
+        return self.c_proj(torch.cat([F.silu(gate) * value] * 2, dim=-1))
+
+    monkeypatch.setattr(kit.train.MLP, "forward", swiglu)
+    with pytest.raises(SystemExit, match=r"--nki-relu2 replaces relu_squared\(\), which this model never calls"):
+        kit.train.setup_kernels(T.RunOptions(nki_relu2=True), "neuron", CONFIG)
+    assert kit.train.ops_the_model_calls(CONFIG, True) == {"norm", "rope_qknorm", "softcap_cross_entropy_rows"}
+    assert bound(kit.train, plain) == set()
+
+
+def test_train_py_and_kernels_common_share_one_vocabulary(kit, monkeypatch, capsys):
+    """train.py's copy of the kernel helpers (it may run without kernels/) matches kernels/common.py: the same
+    names, constants and decisions of pick_kernel, the same launch and logical core count."""
+    names = ("HAS_NKI", "PARTITIONS", "KERNEL_DEVICE", "notice_once", "logical_core_count", "launch", "pick_kernel")
+    assert all(hasattr(kit.train, n) and hasattr(kit.common, n) for n in names)
+    assert (kit.train.HAS_NKI, kit.train.PARTITIONS) == (kit.common.HAS_NKI, kit.common.PARTITIONS)
+    monkeypatch.setattr(kit.common, "installed_nki_version", lambda: "0.4.0")
+    for cores in ("1", "2"):
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", cores)
+        assert kit.train.logical_core_count() == kit.common.logical_core_count() == int(cores)
+        for x, fits, rows in ((torch.randn(256, 8), True, 256), (torch.randn(128, 8), True, 128),
+                              (torch.randn(256, 8), False, 256), (torch.randn(256, 8, device="meta"), True, 256)):
+            assert kit.train.pick_kernel("op", x, fits, "why", rows) == kit.common.pick_kernel("op", x, fits, "why", rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and len(lines) % 2 == 0 and lines[::2] == lines[1::2]  # each notice said alike by both, once each
 
 
 def test_the_inline_relu2_kernel_needs_nothing_from_kernels(kit, monkeypatch):
@@ -395,15 +451,15 @@ def test_the_inline_relu2_kernel_needs_nothing_from_kernels(kit, monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "kernels", None)  # `import kernels...` now raises ImportError
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    monkeypatch.setattr(kit.train, "KERNELS", {})
-    kit.train.setup_kernels(T.RunOptions(nki_relu2=True), "neuron")
-    assert set(kit.train.KERNELS) == {"relu2"}
+    plain = {op: getattr(kit.train, op) for op in kit.train.KERNEL_OPS.values()}
+    kit.train.setup_kernels(T.RunOptions(nki_relu2=True), "neuron", CONFIG)
+    assert bound(kit.train, plain) == {"relu_squared"}
     before = launches()
     check(kit, "relu2", (2, 128, 48), torch.float32, "cpu")
     if REAL_NKI is None:
         assert [r["grid"] for r in nki_emulator.LAUNCHES[before:]] == [2, 2]
     with pytest.raises(ImportError):
-        kit.train.setup_kernels(T.RunOptions(nki_relu2=True, nki_rmsnorm=True), "neuron")
+        kit.train.setup_kernels(T.RunOptions(nki_relu2=True, nki_rmsnorm=True), "neuron", CONFIG)
 
 
 def test_the_chunked_training_loss_runs_the_softcap_ce_kernels_per_chunk(kit, monkeypatch, capsys):
@@ -416,8 +472,8 @@ def test_the_chunked_training_loss_runs_the_softcap_ce_kernels_per_chunk(kit, mo
     weight = torch.randn(320, 32, generator=g).requires_grad_()
     targets = torch.randint(0, 320, (512,), generator=g)
     before = launches()
-    loss = kit.train.chunked_softcap_cross_entropy(h, weight, targets, 15.0, torch.float32,
-                                                   kit.softcap_ce.softcap_cross_entropy)
+    monkeypatch.setattr(kit.train, "softcap_cross_entropy_rows", kit.train.nki_kernel("nki_softcap_ce"))
+    loss = kit.train.chunked_softcap_cross_entropy(h, weight, targets, 15.0, torch.float32)
     loss.backward()
     assert "notice:" not in capsys.readouterr().out
     if REAL_NKI is None:  # the forward and the backward kernel of each chunk
@@ -456,7 +512,7 @@ DEVICE_SHAPES = [  # the baseline's shapes, at the default width (640) and vocab
 def test_kernels_match_their_references_on_trainium(monkeypatch, capsys, op, shape, takes, dtype):
     grid = common.logical_core_count()  # fixed for the process: run once per NEURON_LOGICAL_NC_CONFIG
     monkeypatch.setattr(common, "_NOTICES", set())
-    monkeypatch.setattr(T, "NKI_NOTICES", set())
+    monkeypatch.setattr(T, "_NOTICES", set())
     device_kit = types.SimpleNamespace(common=common, rmsnorm=rmsnorm, softcap_ce=softcap_ce, rope_qknorm=rope_qknorm,
                                        train=T)
     check(device_kit, op, shape, dtype, "neuron")

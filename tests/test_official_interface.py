@@ -232,8 +232,10 @@ def test_train_py_imports_only_the_organisers_names_from_prepare():
                 and any(a.name in ("prepare", "harness") or a.name.startswith("harness.") for a in node.names)]
 
 
-EVERY_INGREDIENT = ["--value-embeds", "alternate", "--bigram-buckets", "101", "--trigram-buckets", "103", "--smear",
-                    "--backout", "--window-pattern", "SL", "--sampler", "keep-rest"]
+sys.path.insert(0, str(REPO))
+import train as T  # noqa: E402
+
+EVERY_INGREDIENT = T.flags_for(T.every_ingredient()) + ["--sampler", "keep-rest"]
 
 
 @pytest.mark.parametrize("recipe", [[], EVERY_INGREDIENT], ids=["baseline", "every-ingredient-keep-rest"])

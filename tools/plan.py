@@ -144,12 +144,12 @@ def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_
     data = random_batches(geometry.device_batch_size, recipe.seq_len, device)
     t0 = time.time()
     for _ in range(warmup):
-        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
+        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps)
     T.synchronize(device)
     warm = time.time() - t0
     t0, cpu0 = time.time(), time.process_time()
     for _ in range(steps):
-        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps, 1)
+        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps)
     T.synchronize(device)
     dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
     tok_s = recipe.total_batch_size / dt
