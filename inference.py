@@ -34,11 +34,10 @@ once and scores every sequence in full (score_plain), padded in batches the same
 Why packed rows and not a KV cache: one forward per batch, nothing kept between forwards, and the
 plain path's static-shape batching; the price is attention over the whole packed row (the mask
 hides most of it between continuations), where suffix passes over a cache would attend only from
-each continuation. The levers left: a CPU profile of this scorer on the CPU preset model puts
-about a third of its time in matmuls and about a quarter each in attention and in the fp32 work on
-the [tokens, vocab] logits (softcap, log-softmax, argmax). Fusing that work into one pass (softcap,
-log-sum-exp, the target's log-prob, the argmax) is next, then attention that skips what the mask
-hides.
+each continuation. Where the time goes: a CPU profile of this scorer on the CPU preset model puts
+about a third of it in matmuls and about a quarter each in attention and in the fp32 work on the
+[tokens, vocab] logits (softcap, log-softmax, argmax), so a pass that fuses that work, and attention
+that skips what the mask hides, are the levers a faster scorer would pull.
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ MIN_SHARED_PREFIX = 16  # tokens two sequences must share to be packed together;
 MAX_ROW_TOKENS = 4096  # a packed row's length at most: bounds its [L, L] attention mask
 STATIC_ROW_DEVICES = ("neuron",)  # devices that compile per shape: a last batch's rows padded to a power of two
 # nats: a probe sequence's mean |packed - plain loss| at load time; low precision differs by rounding only,
-# and stays well inside the harness's verification tolerance (0.05 nats on a mean loss)
+# and stays well inside the harness's verification tolerance on a mean loss (VERIFY_LOSS_TOLERANCE)
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.02, torch.float16: 0.02}
 
 

@@ -1,11 +1,12 @@
 """
 The baseline recipe: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
 This is the one file a participant edits. The recipe comes first, top to bottom: its hyperparameters,
-the model and its loss, the optimizer's update rule and parameter table, the schedules, the training
-step and loop, load_for_eval. Under the banner "Machinery" follows what a run needs and a recipe
-rarely touches: devices, kernel routing (with the inline NKI kernel), the chunked loss's insides,
-gradient communication and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the
-command line, main().
+the model (its architecture, declared once) and its loss, the optimizer's update rule and parameter
+table, the schedules, the training step and loop, load_for_eval. Under the banner "Machinery" follows
+what a run needs and a recipe rarely touches: the run's bookkeeping, devices, kernels (the inline NKI
+kernel, and the --nki-* flags that bind kernels in place of the model's ops), the chunked loss's
+insides, data-parallel gradients and ZeRO-1, batch geometry, the budget clock, checkpoint and resume,
+the command line, main().
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks

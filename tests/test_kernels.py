@@ -330,10 +330,10 @@ def test_kernels_at_their_width_limits_fit_the_sbuf_budget(kit, monkeypatch, op,
     assert len(records) == 2 and max(r["sbuf_peak"] for r in records) <= kit.common.SBUF_BUDGET_BYTES
 
 
-def softcap_lse_kernel_before_the_fix(nki, nl, nisa):
-    """kernels/softcap_ce.py's softcap_lse_kernel as it was before the reduce_cmd fix (commit
-    e85de89), kept to show that the comparison above catches it: its fused sum had no reduce_cmd, so
-    the default (idle) left ScalarE's registers alone and reduce_res read stale values."""
+def softcap_lse_kernel_without_reduce_cmd(nki, nl, nisa):
+    """kernels/softcap_ce.py's softcap_lse_kernel with two mistakes a kernel author can make, to show that the
+    comparison above catches them: its fused sum passes no reduce_cmd, so the default (idle) leaves ScalarE's
+    registers alone and reduce_res reads stale values; and it does not split the row tiles over the cores."""
     PARTITIONS = 128
 
     @nki.jit
@@ -357,20 +357,20 @@ def softcap_lse_kernel_before_the_fix(nki, nl, nisa):
     return softcap_lse_kernel
 
 
-def test_the_softcap_ce_comparison_fails_on_the_kernel_before_the_fix(kit, monkeypatch):
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")  # the old kernel had no row split either
-    check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")  # the fixed kernel passes ...
-    old_kernel = softcap_lse_kernel_before_the_fix(kit.nki, kit.nl, kit.nisa)
-    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", old_kernel)
-    with pytest.raises(AssertionError, match="max abs diff"):  # ... and the same check fails on the old one
+def test_the_softcap_ce_comparison_fails_on_a_kernel_that_reads_stale_sums(kit, monkeypatch):
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")  # (the broken kernel has no row split either)
+    check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")  # the kit's kernel passes ...
+    broken_kernel = softcap_lse_kernel_without_reduce_cmd(kit.nki, kit.nl, kit.nisa)
+    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", broken_kernel)
+    with pytest.raises(AssertionError, match="max abs diff"):  # ... and the same check fails on the broken one
         check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")
 
 
 @pytest.mark.skipif(REAL_NKI is not None, reason="the race check is the emulator's")
 def test_a_kernel_without_the_row_split_is_caught_on_two_cores(kit, monkeypatch):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    old_kernel = softcap_lse_kernel_before_the_fix(kit.nki, kit.nl, kit.nisa)
-    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", old_kernel)
+    broken_kernel = softcap_lse_kernel_without_reduce_cmd(kit.nki, kit.nl, kit.nisa)
+    monkeypatch.setattr(kit.softcap_ce, "softcap_lse_kernel", broken_kernel)
     with pytest.raises(nki_emulator.EmulatorError, match="both write"):
         check(kit, "softcap_ce", (256, 320), torch.float32, "cpu")
 
