@@ -1,0 +1,184 @@
+"""Trainium-ready by construction, checked on the CPU (benchmarks/trainium_ready.py): the training step and
+the scorers' forwards compile as one graph each, a run recompiles nothing after its first step, the step
+reads no value back to the host, and no op the Neuron backend would run on the host is in the graphs.
+Each check also runs on a deliberately broken copy (a graph break in an ingredient, a Python-scalar
+learning rate, an .item() in the step, a sort, float64), where it must fail."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import ledger
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import trainium_ready as R  # noqa: E402
+
+T = R.T
+TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--device-batch-size", "2",
+        "--total-batch-size", "256", "--device", "cpu", "--log-every", "5"]
+
+
+# --- one graph ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["d10", "cpu", "gpu", "phase2", "every-ingredient"])
+def test_the_training_step_is_one_graph_with_no_op_the_device_runs_on_the_host(shape):
+    census = R.training_step_census(*R.tiny_recipe(R.SHAPES[shape]))
+    assert census.graphs == 1
+    assert census.ops["aten.mm.default"] > 0 and any("backward" in op for op in census.ops)  # forward and backward
+    assert census.host_ops() == {}
+
+
+@pytest.mark.slow
+def test_the_scorers_forwards_are_one_graph_each():
+    recipe, _ = R.tiny_recipe(R.SHAPES["every-ingredient"])
+    assert R.eval_forward_census(recipe).graphs == 1
+    prefix = list(range(1, 60))
+    sequences = [prefix + [100 + k, 200 + k, 300 + k] for k in range(4)] + [list(range(500, 530))]
+    census = R.packed_scoring_census(recipe, sequences)
+    assert census.graphs == 1 and census.host_ops() == {}
+
+
+def test_a_graph_break_in_an_ingredient_is_an_error_that_names_the_line(monkeypatch):
+    original = T.ngram_bucket
+
+    def bucket_with_a_host_branch(ids, buckets):
+        if int(ids[0].max()) >= buckets:  # data-dependent Python control flow: a graph break
+            pass
+        return original(ids, buckets)
+
+    monkeypatch.setattr(T, "ngram_bucket", bucket_with_a_host_branch)
+    with pytest.raises(R.GraphBreak, match=r"test_graphs.py.*line \d+"):
+        R.training_step_census(*R.tiny_recipe(["--depth", "2", "--bigram-buckets", "97"]))
+
+
+def test_an_op_the_device_runs_on_the_host_is_listed(monkeypatch):
+    original = T.ngram_bucket
+    monkeypatch.setattr(T, "ngram_bucket", lambda ids, buckets: original(ids, buckets).sort(dim=-1).values)
+    census = R.training_step_census(*R.tiny_recipe(["--depth", "2", "--bigram-buckets", "97"]))
+    assert "aten.sort.default" in census.host_ops()
+    monkeypatch.setattr(T, "ngram_bucket", original)
+    monkeypatch.setattr(T, "relu_squared", lambda x: F.relu(x.double()).square().to(x.dtype))
+    assert any("float64" in op for op in R.training_step_census(*R.tiny_recipe(["--depth", "2"])).host_ops())
+
+
+# --- no recompiles -------------------------------------------------------------------------------------
+
+def fresh_process(monkeypatch) -> None:
+    """What a new train.py process starts with: an empty budget ledger, no compiled graphs."""
+    monkeypatch.setattr(ledger, "_LEDGER", ledger._fresh_ledger())
+    torch._dynamo.reset()
+
+
+def compiles_after_the_first_step(argv, monkeypatch) -> tuple[int, int]:
+    """Run train.py's main in this process with --compile through a counting backend (R.CompileCount: the
+    model's graphs and the optimizer's updates): (graphs compiled by the end of the first step, graphs
+    compiled after it, the evaluation at the end included)."""
+    counter, seen = R.CompileCount(), []
+    profile = T.device_profile
+
+    def counted_profile(*args, **kwargs):
+        return dataclasses.replace(profile(*args, **kwargs), compile_backend=counter)
+
+    step_done = T.Run.step_done
+
+    def noting(self, *args, **kwargs):
+        seen.append(counter.graphs)
+        return step_done(self, *args, **kwargs)
+
+    monkeypatch.setattr(T, "device_profile", counted_profile)
+    monkeypatch.setattr(T.Run, "step_done", noting)
+    fresh_process(monkeypatch)
+    assert T.main(argv) == 0
+    return seen[0], counter.graphs - seen[0]
+
+
+SCHEDULES_MOVING = ["--max-steps", "20", "--warmup-ratio", "0.2", "--warmdown-ratio", "0.5",
+                    "--muon-momentum-warmup-ratio", "0.5", "--compile"]
+
+
+@pytest.mark.slow
+def test_twenty_steps_with_every_schedule_moving_and_the_evaluation_recompile_nothing(text_dataset, tmp_path,
+                                                                                     monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    first, later = compiles_after_the_first_step([*TINY, *SCHEDULES_MOVING, "--eval-tokens", "2048", "--out-dir",
+                                                  str(tmp_path / "out")], monkeypatch)
+    assert first >= 2 and later == 0  # the model's graph and the optimizer's updates, all in the first step
+
+
+@pytest.mark.slow
+def test_a_python_scalar_learning_rate_recompiles_and_is_caught(text_dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    set_hyperparameters = T.MuonAdamW.set_hyperparameters
+
+    def as_python_floats(self, values):  # the mistake: the step's lr handed to the update as a float
+        set_hyperparameters(self, values)
+        for group, group_values in zip(self.param_groups, values):
+            group.update(group_values)
+
+    monkeypatch.setattr(T.MuonAdamW, "set_hyperparameters", as_python_floats)
+    argv = [*TINY, *SCHEDULES_MOVING, "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")]
+    try:
+        first, later = compiles_after_the_first_step(argv, monkeypatch)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:  # so many recompiles that the fullgraph update gave up
+        pass
+    else:
+        assert later > 0
+
+
+# --- no host reads inside a step -------------------------------------------------------------------------
+
+def host_reads_of_a_run(argv, monkeypatch) -> R.HostReads:
+    """train.py's main in this process (eager), its reads labelled "step" inside train_step and "between"
+    in the bookkeeping after each step."""
+    reads = R.HostReads()
+    train_step, step_done = T.train_step, T.Run.step_done
+
+    def step(*args, **kwargs):
+        with reads.within("step"):
+            return train_step(*args, **kwargs)
+
+    def between(self, *args, **kwargs):
+        with reads.within("between"):
+            return step_done(self, *args, **kwargs)
+
+    monkeypatch.setattr(T, "train_step", step)
+    monkeypatch.setattr(T.Run, "step_done", between)
+    fresh_process(monkeypatch)
+    with reads:
+        assert T.main(argv) == 0
+    return reads
+
+
+@pytest.mark.slow
+def test_a_step_reads_nothing_back_and_the_bookkeeping_reads_once_per_step(text_dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    argv = [*TINY, *T.flags_for(T.every_ingredient()), "--max-steps", "8", "--eval-tokens", "0",
+            "--out-dir", str(tmp_path / "out")]
+    reads = host_reads_of_a_run(argv, monkeypatch)
+    assert reads.in_region("step") == []
+    between = reads.in_region("between")
+    assert len(between) == 8 and {(call, where.split()[-1]) for call, where in between} == \
+        {("tolist", "agree_across_ranks")}  # the loss and the stop vote, one read after each step
+
+
+def test_an_item_in_the_step_is_caught_where_it_happens(text_dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    relu_squared = T.relu_squared
+
+    def relu_squared_that_reads(x):
+        if x.abs().max().item() > 1e4:  # the mistake: a host read inside the step
+            raise RuntimeError("activation too large")
+        return relu_squared(x)
+
+    monkeypatch.setattr(T, "relu_squared", relu_squared_that_reads)
+    reads = host_reads_of_a_run([*TINY, "--max-steps", "2", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
+                                monkeypatch)
+    inside = reads.in_region("step")
+    assert inside and {call for call, _ in inside} == {"item"}
+    assert all("test_graphs.py" in where and "relu_squared_that_reads" in where for _, where in inside)
