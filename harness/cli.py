@@ -22,10 +22,10 @@ from harness.data import (DEFAULT_NUM_TRAIN_SHARDS, dataset_name, load_manifest,
                           prepare_offline_source, split_shards)
 from harness.download import DOWNLOAD_WORKERS
 from harness.metric import evaluate_checkpoint
-from harness.protocol import WorkerTimeout
-from harness.sandbox import make_undumpable
 from harness.submission import copy_submission
 from harness.tokenizer import ensure_tokenizer, shipped_tokenizer_pins
+from harness.worker.sandbox import make_undumpable
+from harness.worker.wire import WorkerTimeout
 
 
 def say_environment() -> None:

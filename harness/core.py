@@ -6,7 +6,7 @@ computes the DCLM CORE metric. Driven from the command line:
     torchrun --standalone --nproc_per_node=8 prepare.py eval-core ...   # examples strided over 8 ranks
 
 The participant's inference.py turns token sequences into per-position losses and greedy
-predictions, in a worker process (harness/worker.py); everything that depends on the task happens
+predictions, in a worker process (harness/worker/); everything that depends on the task happens
 here. Its answers are not taken on trust: a secret random sample of the examples it scored (every
 sequence of each sampled example, in every task) is scored again through the trusted path
 (train.py's load_for_eval in a model worker, losses and argmax computed here from its logits),
@@ -51,9 +51,9 @@ from harness.common import EvalRefused, HarnessError, atomic_write_bytes, atomic
 from harness.config import SPECIAL_TOKENS, cache_root
 from harness.download import download_file
 from harness.metric import checked_log_probs
-from harness.protocol import WorkerTimeout
 from harness.submission import copy_submission
-from harness.worker import ModelForward, Worker, score_sequences
+from harness.worker.harness_side import ModelForward, Worker, score_sequences
+from harness.worker.wire import WorkerTimeout
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 # The bundle's SHA-256, once the organisers publish it. Set it here or in $FRONTIER_EVAL_BUNDLE_SHA256:

@@ -24,7 +24,7 @@ The comparisons use log-softmax values computed here from logits the model retur
 the model controls (like the size of its largest logit) never widens a tolerance.
 
 Two ways in: the command line (`prepare.py eval-public` / `eval`) runs the participant's model in
-sandboxed worker processes (harness/worker.py) and is the official number; evaluate_bpb(model, ...)
+sandboxed worker processes (harness/worker/) and is the official number; evaluate_bpb(model, ...)
 runs a model in the caller's process, both passes on the same model, for train.py's own end-of-run
 figure (informational: the participant's code shares that process). Both use the same rows, checks
 and arithmetic, so an honest model gets the same number from both. Under torchrun, rows are strided
@@ -48,11 +48,10 @@ from harness.common import DataError, EvalRefused, HarnessError, get_dist_info
 from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS
 from harness.data import check_shard, read_pinned_shard, shard_pin, source_folder, split_shards
 from harness.loader import _pack_rows, _shard_document_batches, _tokenized_documents
-from harness.tokenizer import Tokenizer, get_token_bytes
-from harness.child import logits_array
-from harness.protocol import WorkerTimeout
 from harness.submission import Submission
-from harness.worker import ModelForward, Worker
+from harness.tokenizer import Tokenizer, get_token_bytes
+from harness.worker.harness_side import ModelForward, Worker
+from harness.worker.wire import WorkerTimeout, logits_array
 
 # Absolute tolerances on log-softmax values (nats), by the model's compute dtype. "same shape":
 # the same row in another batch of the same shape, or before a cut: the same computation on the
