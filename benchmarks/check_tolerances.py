@@ -1,5 +1,5 @@
 """What an honest model's numbers differ by, where the harness compares them: the measurements the
-tolerances in harness/metric.py (TOLERANCE_NATS) and harness/core.py (DECISION_ALLOWANCE_NATS)
+tolerances in harness/checks.py (TOLERANCE_NATS) and harness/core.py (DECISION_ALLOWANCE_NATS)
 rest on. For the kit's own model in fp32 and in bf16, on this machine's device:
 
 - val_bpb checks, through the official command-line path (two sandboxed workers) and in process
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import inference  # noqa: E402
 import prepare  # noqa: E402
 import train as T  # noqa: E402
+from harness import checks  # noqa: E402
 from harness import core as C  # noqa: E402
 from harness import metric as M  # noqa: E402
 from harness.submission import copy_submission  # noqa: E402
@@ -153,7 +154,7 @@ def main():
     for dtype in args.dtypes.split(","):
         b = bpb_checks(checkpoint, dtype, tokenizer, args.secrets, args.max_tokens)
         c = core_differences(checkpoint, dtype, tokenizer, args.examples)
-        tol = M.tolerances_for(b["compute_dtype"] if b["compute_dtype"] != "unknown" else None)
+        tol = checks.tolerances_for(b["compute_dtype"] if b["compute_dtype"] != "unknown" else None)
         print(f"--- {dtype} (model reports {b['compute_dtype']}; tolerances {tol})")
         print(f"val_bpb, in process, {args.secrets} secrets: " + ", ".join(f"{k} {v:.3g}" for k, v in b["in_process"].items()))
         print("val_bpb, two workers: " + ", ".join(f"{k} {v:.3g}" for k, v in b["workers"].items()))

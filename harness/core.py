@@ -46,11 +46,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
 from harness.common import EvalRefused, HarnessError, atomic_write_bytes, atomic_write_json, get_dist_info, \
     log, sha256_file
 from harness.config import SPECIAL_TOKENS, cache_root
 from harness.download import download_file
-from harness.metric import checked_log_probs
 from harness.submission import copy_submission
 from harness.worker.harness_side import ModelForward, Worker, score_sequences
 from harness.worker.wire import WorkerTimeout
@@ -540,7 +540,6 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
     and each example's answers and decision agree with inference.py's (trusted_decision_check).
     CoreError on the first disagreement. open_pass(k) is a context manager giving (forward,
     compute dtype) for pass k."""
-    from harness.metric import compare_log_probs, CheckLog, tolerances_for
     vocab, pad = tokenizer.get_vocab_size(), tokenizer.get_bos_token_id()
     secret_ids = np.array(rng.sample(range(vocab - len(SPECIAL_TOKENS)), VERIFY_SECRET_IDS), dtype=np.int64)
     originals: dict[tuple[int, int], _Row] = {}
