@@ -49,7 +49,7 @@ from harness.checks import CheckLog, checked_log_probs, compare_log_probs, toler
 from harness.common import DataError, EvalRefused, HarnessError
 from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS
 from harness.data import check_shard, read_pinned_shard, shard_pin, source_folder, split_shards
-from harness.loader import _pack_rows, _shard_document_batches, _tokenized_documents
+from harness.loader import pack_rows, shard_document_batches, tokenized_documents
 from harness.submission import Submission
 from harness.tokenizer import Tokenizer, get_token_bytes
 from harness.worker.harness_side import ModelForward, Worker
@@ -88,9 +88,9 @@ def evaluation_rows(tokenizer: Tokenizer, seq_len: int, max_tokens: int, shards:
         check_shard(path, data=blob)
         blobs.append(blob)
         digests.append(digest)
-    docs = _tokenized_documents(_shard_document_batches(blobs), tokenizer, num_threads=4)
+    docs = tokenized_documents(shard_document_batches(blobs), tokenizer, num_threads=4)
     rows = []
-    for row, _ in _pack_rows(docs, seq_len + 1, buffer_size=1000):
+    for row, _ in pack_rows(docs, seq_len + 1, buffer_size=1000):
         rows.append(row)
         if len(rows) == max_rows:
             break
