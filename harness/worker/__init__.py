@@ -8,4 +8,4 @@
     worker_side   worker   the worker's end, `python -m harness.worker.worker_side FD`: runs beside
                            participant code; no harness module imports it
 
-This file imports nothing: the worker process imports it before anything else."""
+This file imports nothing: the worker process imports it on its way to worker_side."""
