@@ -9,7 +9,7 @@ command line. Participants do not edit it; the implementation lives in harness/.
     python prepare.py eval --val-shard PATH --train-py train.py --checkpoint out/final.pt
     python prepare.py eval-core --inference-py inference.py --checkpoint out/final.pt   # Phase 2
 
-The command line runs participant code only in separate worker processes (harness/worker.py);
+The command line runs participant code only in separate worker processes (harness/worker/);
 see the README, "Trust model".
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from harness.metric import causality_check, evaluate_bpb
 from harness.tokenizer import Tokenizer, ensure_tokenizer, get_token_bytes
 
 __all__ = [
-    # KIT section 3: the names train.py files written for the official kit import
+    # the organisers' kit: the names train.py files written for it import
     "TOKENIZER_VOCAB_SIZE", "TRAIN_TIME_BUDGET_SECONDS", "TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS",
     "TRAIN_STARTUP_STEPS_EXCLUDED", "EVAL_TIMEOUT_SECONDS", "get_dist_info", "print0", "Tokenizer",
     "ensure_tokenizer", "get_token_bytes", "make_dataloader", "_row_groups_for_split", "_document_batches",

@@ -1,5 +1,5 @@
 """What an honest model's numbers differ by, where the harness compares them: the measurements the
-tolerances in harness/metric.py (TOLERANCE_NATS) and harness/core.py (DECISION_ALLOWANCE_NATS)
+tolerances in harness/checks.py (TOLERANCE_NATS) and harness/core/verify.py (DECISION_ALLOWANCE_NATS)
 rest on. For the kit's own model in fp32 and in bf16, on this machine's device:
 
 - val_bpb checks, through the official command-line path (two sandboxed workers) and in process
@@ -30,7 +30,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import inference  # noqa: E402
 import prepare  # noqa: E402
 import train as T  # noqa: E402
-from harness import core as C  # noqa: E402
+from harness import checks  # noqa: E402
+from harness.common import CoreError  # noqa: E402
+from harness.core import verify  # noqa: E402  (a module: core_differences lifts its tolerances)
+from harness.core.bundle import Task  # noqa: E402
+from harness.core.prompts import build_request  # noqa: E402
+from harness.core.scoring import Sample  # noqa: E402
 from harness import metric as M  # noqa: E402
 from harness.submission import copy_submission  # noqa: E402
 from core_throughput import CORE_TASKS, imitation  # noqa: E402
@@ -88,31 +93,32 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
 class _Forward(M.LocalForward):
     def __init__(self, model, max_len: int):
         super().__init__(model, "cpu", prepare.TOKENIZER_VOCAB_SIZE)
-        self.batch_size, self.max_len = C.VERIFY_BATCH_ROWS, max_len
+        self.batch_size, self.max_len = verify.VERIFY_BATCH_ROWS, max_len
 
 
 def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> dict:
     # measure the honest differences in full, past the harness's tolerances (printed beside them)
-    C.VERIFY_LOSS_TOLERANCE = C.VERIFY_GREEDY_TOLERANCE = float("inf")
+    verify.VERIFY_LOSS_TOLERANCE = verify.VERIFY_GREEDY_TOLERANCE = float("inf")
     model = load(checkpoint, dtype)
     scorer = inference.Scorer(model, torch.device("cpu"))
     rng = random.Random(0)
     per_token = per_mean = greedy_gap = 0.0
     flips, decisions = [], 0
     for label, task_type, shots, delimiter, _, context_words, choices, choice_words in CORE_TASKS:
-        task = C.Task(label, task_type, shots, delimiter, "", 25.0)
+        task = Task(label, task_type, shots, delimiter, "", 25.0)
         data = imitation(task_type, context_words, choices, choice_words, max(examples, shots + 1) + shots, rng)
-        requests = [C.build_request(task, data, i, tokenizer, scorer.max_seq_len) for i in range(examples)]
+        requests = [build_request(task, data, i, tokenizer, scorer.max_seq_len) for i in range(examples)]
         claimed = scorer.score([s for r in requests for s in r.sequences])
         k = 0
         for i, r in enumerate(requests):
             answer = claimed[k:k + len(r.sequences)]
             k += len(r.sequences)
-            rows = [C._Row(list(s), np.concatenate([np.asarray(s[1:])[:, None], np.asarray(a[1])[:, None]], axis=1),
-                           (i, j)) for j, (s, a) in enumerate(zip(r.sequences, answer))]
-            max_len = C._padded_length(rows, 1 << 20)
-            batches = [rows[b:b + C.VERIFY_BATCH_ROWS] for b in range(0, len(rows), C.VERIFY_BATCH_ROWS)]
-            trusted = [lp for got in C.run_rows(_Forward(model, max_len), batches, tokenizer.get_bos_token_id())
+            rows = [verify.TrustedRow(list(s), np.concatenate([np.asarray(s[1:])[:, None], np.asarray(a[1])[:, None]],
+                                                              axis=1), (i, j))
+                    for j, (s, a) in enumerate(zip(r.sequences, answer))]
+            max_len = verify.padded_length(rows, 1 << 20)
+            batches = [rows[b:b + verify.VERIFY_BATCH_ROWS] for b in range(0, len(rows), verify.VERIFY_BATCH_ROWS)]
+            trusted = [lp for got in verify.run_rows(_Forward(model, max_len), batches, tokenizer.get_bos_token_id())
                        for lp in got]
             if any(e <= s for s, e in zip(r.starts, r.ends)):
                 continue  # an imitation whose choices tokenize alike: nothing to score (real tasks have none)
@@ -121,21 +127,21 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
                 per_token = max(per_token, float(d.max()))
                 per_mean = max(per_mean, abs(float(-lp[s - 1:e - 1, 0].double().mean()) -
                                              float(np.mean(np.asarray(loss, dtype=np.float64)[s - 1:e - 1]))))
-            sample = C.Sample(task, r, answer, i)
+            sample = Sample(task, r, answer, i)
             decisions += 1
             try:
-                found = C.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"), "exact_match": float("inf")}})
+                found = verify.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"), "exact_match": float("inf")}})
                 greedy_gap = max(greedy_gap, found["greedy"])
                 if found["flipped"]:
                     flips.append(found["margin_flipped"])
-            except C.CoreError as e:
+            except CoreError as e:
                 print(f"  REFUSED ({dtype}, {label}): {e}")
     return {"per_token": per_token, "per_mean": per_mean, "greedy_gap": greedy_gap, "decisions": decisions,
             "flips": sorted(flips)}
 
 
-TOLERANCES = {"loss": C.VERIFY_LOSS_TOLERANCE, "greedy": C.VERIFY_GREEDY_TOLERANCE,
-              "decision": dict(C.DECISION_ALLOWANCE_NATS)}  # the harness's, before core_differences lifts them
+TOLERANCES = {"loss": verify.VERIFY_LOSS_TOLERANCE, "greedy": verify.VERIFY_GREEDY_TOLERANCE,
+              "decision": dict(verify.DECISION_ALLOWANCE_NATS)}  # the harness's, before core_differences lifts them
 
 
 def main():
@@ -153,7 +159,7 @@ def main():
     for dtype in args.dtypes.split(","):
         b = bpb_checks(checkpoint, dtype, tokenizer, args.secrets, args.max_tokens)
         c = core_differences(checkpoint, dtype, tokenizer, args.examples)
-        tol = M.tolerances_for(b["compute_dtype"] if b["compute_dtype"] != "unknown" else None)
+        tol = checks.tolerances_for(b["compute_dtype"] if b["compute_dtype"] != "unknown" else None)
         print(f"--- {dtype} (model reports {b['compute_dtype']}; tolerances {tol})")
         print(f"val_bpb, in process, {args.secrets} secrets: " + ", ".join(f"{k} {v:.3g}" for k, v in b["in_process"].items()))
         print("val_bpb, two workers: " + ", ".join(f"{k} {v:.3g}" for k, v in b["workers"].items()))

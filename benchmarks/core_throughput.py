@@ -22,7 +22,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import inference  # noqa: E402
 import prepare  # noqa: E402
-from harness import core as C  # noqa: E402
+from harness.core.bundle import Task  # noqa: E402
+from harness.core.prompts import build_request  # noqa: E402
+from harness.core.scoring import EXAMPLES_PER_CALL  # noqa: E402
 from random_model import save_random_checkpoint  # noqa: E402
 
 # label, type, shots, delimiter, examples in the real bundle, context words, choices, words per choice
@@ -73,8 +75,8 @@ def score_task(scorer, tokenizer, task, data, n, per_call):
     """(seconds per example, every sequence's losses) for the first n examples of an imitated task
     (their shots drawn from all of data, as the harness draws them)."""
     label, task_type, shots, delim = task[:4]
-    t = C.Task(label, task_type, shots, delim, "", 0.0)
-    requests = [C.build_request(t, data, i, tokenizer, scorer.max_seq_len) for i in range(n)]
+    t = Task(label, task_type, shots, delim, "", 0.0)
+    requests = [build_request(t, data, i, tokenizer, scorer.max_seq_len) for i in range(n)]
     losses = []
     t0 = time.perf_counter()
     for lo in range(0, len(requests), per_call):
@@ -87,7 +89,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--examples", type=int, default=6, help="imitated examples per task")
-    parser.add_argument("--examples-per-call", type=int, default=C.EXAMPLES_PER_CALL,
+    parser.add_argument("--examples-per-call", type=int, default=EXAMPLES_PER_CALL,
                         help="examples handed to score() at once (the harness's default)")
     parser.add_argument("--tasks", default=None, help="comma-separated task labels (default: all 22)")
     parser.add_argument("--device", default=None)

@@ -34,15 +34,15 @@ def main():
 
     import prepare
     import train as T
-    from harness.loader import _pack_rows, _shard_document_batches, _tokenized_documents
+    from harness.loader import pack_rows, shard_document_batches, tokenized_documents
 
     t0 = time.time()
     tokenizer = prepare.ensure_tokenizer()
     shards = prepare.split_shards(args.split)
-    docs = [d for batch, _ in _tokenized_documents(_shard_document_batches(shards), tokenizer, 4) for d in batch]
+    docs = [d for batch, _ in tokenized_documents(shard_document_batches(shards), tokenizer, 4) for d in batch]
     lengths = np.array([len(d) for d in docs])
     total = int(lengths.sum())
-    text_bytes = sum(len(t.encode()) for texts, _ in _shard_document_batches(shards) for t in texts)
+    text_bytes = sum(len(t.encode()) for texts, _ in shard_document_batches(shards) for t in texts)
     print(f"{args.split}: {len(shards)} shards of {prepare.active_dataset_dir()}, {len(docs):,} documents, "
           f"{total:,} tokens (BOS included), {text_bytes / (total - len(docs)):.2f} bytes per token, median "
           f"document {int(np.median(lengths)):,} tokens, longest {int(lengths.max()):,} ({time.time() - t0:.0f}s)")
@@ -51,7 +51,7 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
         row = seq_len + 1
-        kit_rows = sum(1 for _ in _pack_rows([(docs, 1)], row, buffer_size=1000))
+        kit_rows = sum(1 for _ in pack_rows([(docs, 1)], row, buffer_size=1000))
         rest_rows = sum(1 for _ in T.keep_rest_rows([(docs, 1)], row, buffer_size=1000))
         longer = float((lengths > row).mean())
         past = float(np.clip(lengths - seq_len, 0, None).sum() / total)

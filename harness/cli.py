@@ -14,18 +14,18 @@ import threading
 import time
 from pathlib import Path
 
-from harness import core
 from harness.common import HarnessError, atomic_write_json, get_dist_info, log
 from harness.config import (CLIMBMIX_BASE_URL, EVAL_BATCH_SIZE, EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS,
                             SHIPPED_TOKENIZER_DIR, cache_root, default_out_dir, env_report)
+from harness.core.command import add_arguments as add_core_arguments
 from harness.data import (DEFAULT_NUM_TRAIN_SHARDS, dataset_name, load_manifest, prepare_climbmix,
                           prepare_offline_source, split_shards)
 from harness.download import DOWNLOAD_WORKERS
 from harness.metric import evaluate_checkpoint
-from harness.protocol import WorkerTimeout
-from harness.sandbox import make_undumpable
 from harness.submission import copy_submission
 from harness.tokenizer import ensure_tokenizer, shipped_tokenizer_pins
+from harness.worker.sandbox import make_undumpable
+from harness.worker.wire import WorkerTimeout
 
 
 def say_environment() -> None:
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="CORE (Phase 2): the 22 in-context-learning tasks of the eval bundle, scored "
                                    "through inference.py, as nanochat computes it, and verified on a secret sample "
                                    "through train.py's load_for_eval.")
-    core.add_arguments(p)
+    add_core_arguments(p)
     return parser
 
 

@@ -40,6 +40,10 @@ class BudgetError(HarnessError):
     """The ledger was called out of order (steps must arrive consecutively)."""
 
 
+class CoreError(HarnessError):
+    """CORE gives no score; the message says why (the bundle, an argument, the time limit, the verification)."""
+
+
 def get_dist_info() -> tuple[bool, int, int, int]:
     """(is_ddp, rank, local_rank, world_size) from torchrun's environment."""
     if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):

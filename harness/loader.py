@@ -1,5 +1,9 @@
 """Documents and the dataloader: row groups of a split, tokenized documents, BOS-aligned best-fit
-packing into rows, and make_dataloader (a background thread reads, tokenizes and packs)."""
+packing into rows, and make_dataloader (a background thread reads, tokenizes and packs).
+
+_row_groups_for_split, _document_batches and _row_group_texts keep their leading underscore
+although prepare.py exports them: the first two are names of the organisers' kit, which train.py
+files written for it import; the third is exported beside them."""
 from __future__ import annotations
 
 import atexit
@@ -8,7 +12,6 @@ import itertools
 import queue
 import random
 import threading
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -59,7 +62,7 @@ def _document_batches(split: str, start: int, step: int, tokenizer_batch_size: i
         epoch += 1
 
 
-def _shard_document_batches(shards: list, batch: int = 128):
+def shard_document_batches(shards: list, batch: int = 128):
     """One pass over the documents of the given shards (paths, or their bytes), in order."""
     for source in shards:
         pf = open_shard(source)
@@ -69,7 +72,7 @@ def _shard_document_batches(shards: list, batch: int = 128):
                 yield texts[i:i + batch], 1
 
 
-def _tokenized_documents(doc_batches, tokenizer: Tokenizer, num_threads: int):
+def tokenized_documents(doc_batches, tokenizer: Tokenizer, num_threads: int):
     """(list of int32 arrays, epoch): each document as BOS + its tokens."""
     bos = tokenizer.get_bos_token_id()
     for texts, epoch in doc_batches:
@@ -77,7 +80,7 @@ def _tokenized_documents(doc_batches, tokenizer: Tokenizer, num_threads: int):
         yield [np.asarray(r, dtype=np.int32) for r in rows], epoch
 
 
-def _pack_rows(token_batches, row_capacity: int, buffer_size: int):
+def pack_rows(token_batches, row_capacity: int, buffer_size: int):
     """BOS-aligned best-fit packing. Yields (row, epoch), row an int32 array of row_capacity tokens:
     each row is filled with the longest buffered document that still fits, and when none fits, the
     shortest one is cropped to fill it exactly. No padding; every row starts at a document start.
@@ -152,7 +155,7 @@ def make_dataloader(tokenizer: Tokenizer, batch_size: int, seq_len: int, split: 
     if rank is None or world_size is None:
         _, rank, _, world_size = get_dist_info()
     doc_batches = _document_batches(split, rank, world_size, tokenizer_batch_size, shard_ids, seed)
-    rows = _pack_rows(_tokenized_documents(doc_batches, tokenizer, tokenizer_threads), seq_len + 1, buffer_size)
+    rows = pack_rows(tokenized_documents(doc_batches, tokenizer, tokenizer_threads), seq_len + 1, buffer_size)
     batches = itertools.islice(_batched(rows, batch_size), start_batch, None)
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
     stop = threading.Event()

@@ -1,4 +1,5 @@
-"""The official metric, evaluate_bpb, and the load-contract checks that come with it.
+"""The official metric, evaluate_bpb, and the load-contract checks that come with it (the
+log-prob checks it shares with CORE live in harness/checks.py).
 
 val_bpb = total_nats / (ln 2 * total_bytes) over a fixed list of validation rows (BOS-aligned
 best-fit rows of EVAL_SEQ_LEN + 1 tokens, in file order), with cross-entropy recomputed here in
@@ -24,7 +25,7 @@ The comparisons use log-softmax values computed here from logits the model retur
 the model controls (like the size of its largest logit) never widens a tolerance.
 
 Two ways in: the command line (`prepare.py eval-public` / `eval`) runs the participant's model in
-sandboxed worker processes (harness/worker.py) and is the official number; evaluate_bpb(model, ...)
+sandboxed worker processes (harness/worker/) and is the official number; evaluate_bpb(model, ...)
 runs a model in the caller's process, both passes on the same model, for train.py's own end-of-run
 figure (informational: the participant's code shares that process). Both use the same rows, checks
 and arithmetic, so an honest model gets the same number from both. Under torchrun, rows are strided
@@ -38,37 +39,27 @@ import contextlib
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from harness.common import DataError, EvalRefused, HarnessError, get_dist_info
+from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
+from harness.common import DataError, EvalRefused, HarnessError
 from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS
 from harness.data import check_shard, read_pinned_shard, shard_pin, source_folder, split_shards
-from harness.loader import _pack_rows, _shard_document_batches, _tokenized_documents
-from harness.tokenizer import Tokenizer, get_token_bytes
-from harness.child import logits_array
-from harness.protocol import WorkerTimeout
+from harness.loader import pack_rows, shard_document_batches, tokenized_documents
 from harness.submission import Submission
-from harness.worker import ModelForward, Worker
+from harness.tokenizer import Tokenizer, get_token_bytes
+from harness.worker.harness_side import ModelForward, Worker
+from harness.worker.wire import WorkerTimeout, logits_array
 
-# Absolute tolerances on log-softmax values (nats), by the model's compute dtype. "same shape":
-# the same row in another batch of the same shape, or before a cut: the same computation on the
-# same numbers, so an honest model differs by kernel nondeterminism at most. "batch size": the
-# row alone instead of in a batch of B: other kernels, other rounding.
-TOLERANCE_NATS = {
-    "float32": {"same_shape": 1e-4, "batch_size": 1e-2},  # batch size: TF32 matmuls round like this
-    "bfloat16": {"same_shape": 1e-3, "batch_size": 0.1},
-    "float16": {"same_shape": 1e-3, "batch_size": 0.1},
-}
 PROBE_FRACTION = 1 / 16  # probes per scored row: the official 20,480 rows get 1,280
 MIN_PROBES = 16  # at least this many probes, however few rows are scored
 REPEAT_SHARE = 1 / 8  # of the probes, this share repeats the whole row (batch independence); the rest are
                       # twins cut at a position (official run: 1,120 twins, so each of the 1,023 positions is cut)
 SECRET_TOKEN_IDS = 8  # token ids compared at every position, besides the row's own target
-LOGIT_LIMIT = 1e30  # |logit| above this is refused: below it every log-prob, difference and sum is finite
 
 
 @dataclass
@@ -76,15 +67,6 @@ class Probe:
     row: int  # index into this rank's rows
     cut: int  # positions [0, cut) must agree; cut == seq_len: the whole row (a repeat); 0: a filler, not compared
     inputs: np.ndarray  # int32 [seq_len]: the row's inputs up to the cut, other text after it
-
-
-@dataclass
-class CheckLog:
-    """What the checks compared: the worst difference of each kind, and the count."""
-    worst: dict = field(default_factory=lambda: {"causality": 0.0, "batch_content": 0.0, "replay": 0.0,
-                                                 "batch_size": 0.0})
-    probes: int = 0
-    cut_positions: set = field(default_factory=set)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,9 +88,9 @@ def evaluation_rows(tokenizer: Tokenizer, seq_len: int, max_tokens: int, shards:
         check_shard(path, data=blob)
         blobs.append(blob)
         digests.append(digest)
-    docs = _tokenized_documents(_shard_document_batches(blobs), tokenizer, num_threads=4)
+    docs = tokenized_documents(shard_document_batches(blobs), tokenizer, num_threads=4)
     rows = []
-    for row, _ in _pack_rows(docs, seq_len + 1, buffer_size=1000):
+    for row, _ in pack_rows(docs, seq_len + 1, buffer_size=1000):
         rows.append(row)
         if len(rows) == max_rows:
             break
@@ -138,55 +120,6 @@ class LocalForward:
 
     def result(self) -> np.ndarray:
         return self.pending.popleft()
-
-
-# ---------------------------------------------------------------------------------------------
-# Log-probabilities the model cannot poison
-# ---------------------------------------------------------------------------------------------
-
-def checked_log_probs(logits, index, who: str = "model(inputs)") -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-softmax at index [..., k], logsumexp [..., 1]) in fp32 from logits [..., V]. EvalRefused
-    unless every logit is a number within +-LOGIT_LIMIT: then every log-prob lies in
-    [-2 * LOGIT_LIMIT - ln V, 0], so every difference the checks take and every sum the metric adds
-    is a finite number, and a check can never compare NaN with NaN."""
-    x = torch.as_tensor(logits)
-    lo, hi = (float(v) for v in torch.aminmax(x))
-    if not (-LOGIT_LIMIT <= lo and hi <= LOGIT_LIMIT):  # also false for NaN
-        raise EvalRefused(f"{who} returned non-finite logits (NaN or inf) or logits beyond +-{LOGIT_LIMIT:g} "
-                          f"(smallest {lo:.4g}, largest {hi:.4g}); the harness refuses them")
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    lp = x.gather(-1, torch.as_tensor(index).long()) - lse
-    if not bool(torch.isfinite(lp).all()):  # cannot happen within the limit; refuse rather than compare
-        raise EvalRefused(f"{who} gave log-probabilities that are not finite")
-    return lp, lse
-
-
-CHECK_MESSAGES = {
-    "causality": "log-probs before a cut point changed when the tokens after it changed (and the row ran in "
-                 "another batch and another worker): the model is not causal, or its rows interact (logits at "
-                 "position t must depend only on tokens 0..t of their own row)",
-    "batch_content": "a row's log-probs changed when the row ran in another batch (and another worker): rows "
-                     "must not interact, and the forward must be a pure function",
-    "replay": "the same batch gave different log-probs in another worker: the forward must be a pure function",
-    "batch_size": "a row's log-probs changed when it ran alone instead of in a batch: the output must not "
-                  "depend on the batch size",
-}
-
-
-def compare_log_probs(kind: str, got: torch.Tensor, ref: torch.Tensor, tol: float, checks: "CheckLog",
-                      what: str) -> None:
-    """EvalRefused unless every |got - ref| <= tol (a NaN fails). got, ref: [T, k] log-probs; the
-    message names the check, the row, the position, both values and the tolerance."""
-    if not got.numel():
-        return
-    delta = (got - ref).abs()
-    diff = float(delta.max())
-    checks.worst[kind] = max(checks.worst[kind], diff)
-    if not diff <= tol:
-        at = int(delta.reshape(-1).argmax())
-        t, j = divmod(at, got.shape[-1])
-        raise EvalRefused(f"{CHECK_MESSAGES[kind]} (check {kind}: {what}, position {t}: {float(got[t, j]):.6g} vs "
-                          f"{float(ref[t, j]):.6g} nats, difference {diff:.3g}, tolerance {tol:.3g})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,11 +312,6 @@ class _Scorer:
 # ---------------------------------------------------------------------------------------------
 # The evaluation
 # ---------------------------------------------------------------------------------------------
-
-def tolerances_for(compute_dtype: str | None) -> dict:
-    """The tolerance row for a compute dtype (bf16's when the model does not say)."""
-    return TOLERANCE_NATS.get(compute_dtype or "bfloat16", TOLERANCE_NATS["bfloat16"])
-
 
 def _gloo_group():
     """A CPU process group for the harness's own sums: the default one if it is gloo, else a new gloo

@@ -110,7 +110,7 @@ class PeekModel(nn.Module):
 
 
 class PeekExceptAtFixedCuts(PeekModel):
-    """Peeks at every position except the three cut points the old check used (1, T/2, T-1)."""
+    """Peeks at every position except three fixed cut points (1, T/2, T-1), where a check with fixed cuts looks."""
 
     def __init__(self, vocab: int, seq_len: int):
         super().__init__(vocab)
@@ -124,7 +124,7 @@ class PeekExceptAtFixedCuts(PeekModel):
 
 
 class PeekAfterWarmup(PeekModel):
-    """Honest (uniform) in its first forwards, when the old check ran; peeks afterwards."""
+    """Honest (uniform) in its first forwards, where a check of the first forwards only looks; peeks afterwards."""
 
     def __init__(self, vocab: int, warmup: int):
         super().__init__(vocab)

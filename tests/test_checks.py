@@ -17,7 +17,11 @@ import torch
 
 import prepare
 from core_bundle import make_bundle
-from harness import core as C
+from harness.common import CoreError
+from harness.core.bundle import bundle_from_dir, load_examples, load_tasks
+from harness.core.prompts import build_request, shuffled_and_capped
+from harness.core.scoring import evaluate_core
+from harness.core.verify import VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, VERIFY_LOSS_TOLERANCE, verify_samples
 from harness import metric as M
 from helpers import REPO, run_prepare
 from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
@@ -147,14 +151,14 @@ def load_scorer(path, device):
 
 def gold_and_wrong(bundle_dir: Path, tokenizer, max_len) -> tuple[set, set]:
     """hash(tuple(tokens)) of every gold and every wrong choice's sequence in the bundle."""
-    bundle = C.bundle_from_dir(bundle_dir)
+    bundle = bundle_from_dir(bundle_dir)
     gold, wrong = set(), set()
-    for task in C.load_tasks(bundle):
+    for task in load_tasks(bundle):
         if task.task_type == "language_modeling":
             continue
-        data = C.shuffled_and_capped(C.load_examples(bundle, task), -1)
+        data = shuffled_and_capped(load_examples(bundle, task), -1)
         for i in range(len(data)):
-            r = C.build_request(task, data, i, tokenizer, max_len)
+            r = build_request(task, data, i, tokenizer, max_len)
             for j, seq in enumerate(r.sequences):
                 (gold if j == r.gold else wrong).add(hash(tuple(seq)))
     return gold, wrong
@@ -169,7 +173,7 @@ def test_core_nudged_within_the_loss_tolerance_is_refused(tmp_path, text_dataset
     max_len = int(T.load_for_eval(str(tiny_checkpoint), torch.device("cpu")).cos.shape[1])
     gold, wrong = gold_and_wrong(bundle, tok, max_len)
     forged = tmp_path / "nudged.py"
-    nudge = C.VERIFY_LOSS_TOLERANCE - 0.005
+    nudge = VERIFY_LOSS_TOLERANCE - 0.005
     forged.write_text((REPO / "inference.py").read_text() + NUDGE.format(gold=gold, wrong=wrong, nudge=nudge))
     base = ["eval-core", "--checkpoint", str(tiny_checkpoint), "--train-py", str(REPO / "train.py"),
             "--bundle-dir", str(bundle)]
@@ -239,23 +243,23 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
         check = prepare.causality_check(model, tok, 8, 128, "cpu", max_rows=24)
         if not check["passed"]:
             refusals.append(check["message"])
-    bundle = C.bundle_from_dir(make_bundle(tmp_path))
-    tasks = C.load_tasks(bundle)
-    examples = {t.label: C.shuffled_and_capped(C.load_examples(bundle, t), -1) for t in tasks}
+    bundle = bundle_from_dir(make_bundle(tmp_path))
+    tasks = load_tasks(bundle)
+    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
     scorer = inference.Scorer(model, torch.device("cpu"))
-    _, samples = C.evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None,
-                                 verify_fraction=1.0)
+    _, samples = evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None,
+                               verify_fraction=1.0)
     longest = max(len(s) for sample in samples for s in sample.request.sequences)
-    max_len = -(-longest // C.VERIFY_LENGTH_BUCKET) * C.VERIFY_LENGTH_BUCKET
+    max_len = -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET
 
     def open_pass(k):
         import contextlib
-        return contextlib.nullcontext((_Forward(model, C.VERIFY_BATCH_ROWS, max_len), M._model_dtype(model)))
+        return contextlib.nullcontext((_Forward(model, VERIFY_BATCH_ROWS, max_len), M._model_dtype(model)))
 
     for _ in range(SECRETS):
         try:
-            C.verify_samples(samples, open_pass, tok, random.SystemRandom())
-        except C.CoreError as e:
+            verify_samples(samples, open_pass, tok, random.SystemRandom())
+        except CoreError as e:
             refusals.append(str(e))
     assert refusals == []
     kit = kit_with_dtype(tmp_path / "kit", dtype)

@@ -19,8 +19,8 @@ import torch
 from core_bundle import make_bundle
 from helpers import REPO, make_text_source, random_documents, run_prepare
 from hostile import SEQ, TOKENS, evaluate, participant
-from harness import sandbox
-from harness.worker import MAX_FORWARDED_BYTES
+from harness.worker import sandbox
+from harness.worker.harness_side import MAX_FORWARDED_BYTES
 
 pytestmark = pytest.mark.skipif(sandbox.sandbox_shortfall() != "", reason=f"no full sandbox on this machine: "
                                                                          f"{sandbox.sandbox_shortfall()}")
@@ -283,7 +283,7 @@ def test_a_daemon_that_keeps_changing_its_pid_dies_with_its_worker(tmp_path, che
 FORGED_REPLY = '''
 import struct
 
-import harness.protocol as P
+import harness.worker.wire as P
 
 _send = P.send
 
@@ -408,7 +408,7 @@ NEVER_ANSWERS = {
 import sys
 import time
 
-import __main__  # the worker runs as `python -m harness.child`
+import __main__  # the worker runs as `python -m harness.worker.worker_side`
 
 
 def stall(self, msg, fds):
@@ -416,7 +416,7 @@ def stall(self, msg, fds):
     time.sleep(10**6)
 
 
-__main__.Child.buffers = stall
+__main__.Server.buffers = stall
 
 
 class Cheat(Model):
@@ -494,7 +494,7 @@ FLOODS = {
     "payload": '''
 import struct
 
-import harness.protocol as P
+import harness.worker.wire as P
 
 _send = P.send
 
@@ -730,12 +730,12 @@ def test_an_honest_model_gets_the_same_number_with_and_without_the_sandbox(tmp_p
 
 
 def test_without_landlock_the_result_is_not_official(monkeypatch):
-    from harness import worker
+    from harness.worker import harness_side
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
-    abi, _, why = worker.sandbox_plan(True)
+    abi, _, why = harness_side.sandbox_plan(True)
     assert abi == 0 and "no Landlock" in why
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: 3)
-    assert "Landlock ABI is 3" in worker.sandbox_plan(True)[2]
+    assert "Landlock ABI is 3" in harness_side.sandbox_plan(True)[2]
 
 
 # --- CORE ------------------------------------------------------------------------------------------

@@ -14,7 +14,11 @@ import zipfile
 import pytest
 
 import prepare
-from harness import core as C
+from harness.common import CoreError
+from harness.core.bundle import bundle_from_dir, ensure_bundle, load_examples, load_tasks
+from harness.core.prompts import (Request, fewshot_indices, render_language_modeling, render_multiple_choice,
+                                  render_schema, scored_regions, shuffled_and_capped, truncate_left)
+from harness.core.scoring import centered_accuracy, evaluate_core, is_correct
 from harness import download
 from core_bundle import expected_core, make_bundle
 from helpers import REPO, run_prepare
@@ -27,22 +31,22 @@ TOY = REPO / "tests" / "fixtures" / "toy_inference.py"
 def test_multiple_choice_prompts_are_rendered_exactly():
     shots = [{"query": "Q1", "choices": ["a", "b"], "gold": 1}, {"query": "Q2", "choices": ["c", "d"], "gold": 0}]
     item = {"query": "Q3", "choices": ["x", "y z"], "gold": 0}
-    assert C.render_multiple_choice(item, " ", shots) == ["Q1 b\n\nQ2 c\n\nQ3 x", "Q1 b\n\nQ2 c\n\nQ3 y z"]
-    assert C.render_multiple_choice(item, "\nAnswer: ", []) == ["Q3\nAnswer: x", "Q3\nAnswer: y z"]
+    assert render_multiple_choice(item, " ", shots) == ["Q1 b\n\nQ2 c\n\nQ3 x", "Q1 b\n\nQ2 c\n\nQ3 y z"]
+    assert render_multiple_choice(item, "\nAnswer: ", []) == ["Q3\nAnswer: x", "Q3\nAnswer: y z"]
 
 
 def test_schema_prompts_are_rendered_exactly():
     shots = [{"context_options": ["A1", "A2"], "continuation": "then", "gold": 1}]
     item = {"context_options": ["B1", "B2 "], "continuation": "now.", "gold": 0}
-    assert C.render_schema(item, " ", shots) == ["A2 then\n\nB1 now.", "A2 then\n\nB2  now."]
-    assert C.render_schema(item, "\nAnswer: ", []) == ["B1\nAnswer: now.", "B2 \nAnswer: now."]
+    assert render_schema(item, " ", shots) == ["A2 then\n\nB1 now.", "A2 then\n\nB2  now."]
+    assert render_schema(item, "\nAnswer: ", []) == ["B1\nAnswer: now.", "B2 \nAnswer: now."]
 
 
 def test_language_modelling_prompts_strip_contexts_and_the_prompt_without():
     shots = [{"context": " c1  ", "continuation": "k1"}]
     item = {"context": "\tctx2 \n", "continuation": "ans"}
-    assert C.render_language_modeling(item, " ", shots) == ["c1 k1\n\nctx2", "c1 k1\n\nctx2 ans"]
-    assert C.render_language_modeling(item, "\nAnswer: ", []) == ["ctx2\nAnswer:", "ctx2\nAnswer: ans"]
+    assert render_language_modeling(item, " ", shots) == ["c1 k1\n\nctx2", "c1 k1\n\nctx2 ans"]
+    assert render_language_modeling(item, "\nAnswer: ", []) == ["ctx2\nAnswer:", "ctx2\nAnswer: ans"]
 
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -51,56 +55,56 @@ def test_shuffle_then_cap():
     data = list(range(50))
     expected = list(range(50))
     random.Random(1337).shuffle(expected)
-    assert C.shuffled_and_capped(data, -1) == expected
-    assert C.shuffled_and_capped(data, 7) == expected[:7]
+    assert shuffled_and_capped(data, -1) == expected
+    assert shuffled_and_capped(data, 7) == expected[:7]
     assert data == list(range(50))  # the input is untouched
 
 
 def test_fewshot_indices_reproduce_the_seed_and_exclude_the_example():
     for n, k in ((10, 3), (25, 10), (4, 3)):
         for idx in range(n):
-            got = C.fewshot_indices(idx, n, k)
+            got = fewshot_indices(idx, n, k)
             assert got == random.Random(1234 + idx).sample([i for i in range(n) if i != idx], k)
             assert idx not in got and len(set(got)) == k
-    assert C.fewshot_indices(3, 10, 0) == []
+    assert fewshot_indices(3, 10, 0) == []
 
 
 # --- scored regions ---------------------------------------------------------------------------
 
 def test_scored_regions_on_hand_checked_tokens():
     mc = [[1, 5, 6, 7, 8], [1, 5, 6, 9], [1, 5, 6, 7, 2, 3]]
-    assert C.scored_regions("multiple_choice", mc) == (mc, [3, 3, 3], [5, 4, 6])
+    assert scored_regions("multiple_choice", mc) == (mc, [3, 3, 3], [5, 4, 6])
     schema = [[1, 4, 4, 8, 9], [1, 5, 8, 9], [1, 6, 6, 6, 8, 9]]
-    assert C.scored_regions("schema", schema) == (schema, [3, 2, 4], [5, 4, 6])
-    assert C.scored_regions("language_modeling", [[1, 2, 3], [1, 2, 3, 4, 5]]) == ([[1, 2, 3, 4, 5]], [3], [5])
-    with pytest.raises(C.CoreError, match="prefix"):
-        C.scored_regions("language_modeling", [[1, 2, 3], [1, 2, 4, 5]])
+    assert scored_regions("schema", schema) == (schema, [3, 2, 4], [5, 4, 6])
+    assert scored_regions("language_modeling", [[1, 2, 3], [1, 2, 3, 4, 5]]) == ([[1, 2, 3, 4, 5]], [3], [5])
+    with pytest.raises(CoreError, match="prefix"):
+        scored_regions("language_modeling", [[1, 2, 3], [1, 2, 4, 5]])
 
 
 def test_truncation_keeps_the_last_tokens_and_shifts_the_region():
-    assert C.truncate_left(list(range(10)), 7, 10, 6) == ([4, 5, 6, 7, 8, 9], 3, 6)
-    assert C.truncate_left(list(range(10)), 7, 10, None) == (list(range(10)), 7, 10)
-    with pytest.raises(C.CoreError, match="max_seq_len"):
-        C.truncate_left(list(range(10)), 2, 10, 5)
+    assert truncate_left(list(range(10)), 7, 10, 6) == ([4, 5, 6, 7, 8, 9], 3, 6)
+    assert truncate_left(list(range(10)), 7, 10, None) == (list(range(10)), 7, 10)
+    with pytest.raises(CoreError, match="max_seq_len"):
+        truncate_left(list(range(10)), 2, 10, 5)
 
 
 def test_decisions():
     import torch
-    req = C.Request([[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2], [4, 4], gold=1)
+    req = Request([[1, 2, 3, 4], [1, 2, 5, 6]], [2, 2], [4, 4], gold=1)
     losses_a, losses_b = torch.tensor([9.0, 1.0, 1.0]), torch.tensor([9.0, 0.5, 1.0])
     g = torch.zeros(3, dtype=torch.long)
-    assert C.is_correct("multiple_choice", req, [(losses_a, g), (losses_b, g)])
-    assert not C.is_correct("multiple_choice", req, [(losses_b, g), (losses_b, g)])  # ties go to the first
-    lm = C.Request([[1, 2, 3, 4]], [2], [4], gold=None)
-    assert C.is_correct("language_modeling", lm, [(losses_a, torch.tensor([0, 3, 4]))])
-    assert not C.is_correct("language_modeling", lm, [(losses_a, torch.tensor([0, 3, 5]))])
+    assert is_correct("multiple_choice", req, [(losses_a, g), (losses_b, g)])
+    assert not is_correct("multiple_choice", req, [(losses_b, g), (losses_b, g)])  # ties go to the first
+    lm = Request([[1, 2, 3, 4]], [2], [4], gold=None)
+    assert is_correct("language_modeling", lm, [(losses_a, torch.tensor([0, 3, 4]))])
+    assert not is_correct("language_modeling", lm, [(losses_a, torch.tensor([0, 3, 5]))])
 
 
 def test_centering():
-    assert C.centered_accuracy(0.25, 25.0) == 0.0
-    assert C.centered_accuracy(1.0, 62.0) == pytest.approx(1.0)
-    assert C.centered_accuracy(0.0, 50.0) == pytest.approx(-1.0)
-    assert C.centered_accuracy(0.3, 0.0) == pytest.approx(0.3)
+    assert centered_accuracy(0.25, 25.0) == 0.0
+    assert centered_accuracy(1.0, 62.0) == pytest.approx(1.0)
+    assert centered_accuracy(0.0, 50.0) == pytest.approx(-1.0)
+    assert centered_accuracy(0.3, 0.0) == pytest.approx(0.3)
 
 
 # --- end to end with the toy scorer -------------------------------------------------------------
@@ -152,19 +156,19 @@ def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, mo
     spec = importlib.util.spec_from_file_location("toy", TOY)
     toy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(toy)
-    bundle = C.bundle_from_dir(make_bundle(tmp_path))
-    tasks = C.load_tasks(bundle)
+    bundle = bundle_from_dir(make_bundle(tmp_path))
+    tasks = load_tasks(bundle)
     assert [t.delimiter for t in tasks] == [" ", "\nAnswer: ", " ", " ", "\nAnswer: "]
-    examples = {t.label: C.shuffled_and_capped(C.load_examples(bundle, t), -1) for t in tasks}
+    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
     one, many = toy.load_scorer(None, None), toy.load_scorer(None, None)
     tok = prepare.ensure_tokenizer()
-    a, _ = C.evaluate_core(one.score, tok, tasks, examples, None, examples_per_call=1, log=lambda m: None)
-    b, sample = C.evaluate_core(many.score, tok, tasks, examples, None, examples_per_call=256, log=lambda m: None)
+    a, _ = evaluate_core(one.score, tok, tasks, examples, None, examples_per_call=1, log=lambda m: None)
+    b, sample = evaluate_core(many.score, tok, tasks, examples, None, examples_per_call=256, log=lambda m: None)
     assert a["core"] == b["core"] == expected_core()[1]
     assert one.calls == sum(t[5] for t in __import__("core_bundle").TASKS) and many.calls == len(tasks)
     assert {s.task.label for s in sample} == {t.label for t in tasks}  # every task is sampled for verification
-    capped = {t.label: C.shuffled_and_capped(C.load_examples(bundle, t), 4) for t in tasks[:1]}
-    report, _ = C.evaluate_core(many.score, tok, tasks[:1], capped, None, log=lambda m: None)
+    capped = {t.label: shuffled_and_capped(load_examples(bundle, t), 4) for t in tasks[:1]}
+    report, _ = evaluate_core(many.score, tok, tasks[:1], capped, None, log=lambda m: None)
     assert report["tasks"]["mc_plain"]["examples"] == 4
 
 
@@ -245,30 +249,30 @@ def test_bundle_download_is_recorded_pinned_and_read_from_the_archive(tmp_path, 
     digest = hashlib.sha256(payload).hexdigest()
     httpd, url = _serve(payload)
     try:
-        with pytest.raises(C.CoreError, match="pinned bundle is 00"):
-            C.ensure_bundle(url=url, sha256="00" * 32)
+        with pytest.raises(CoreError, match="pinned bundle is 00"):
+            ensure_bundle(url=url, sha256="00" * 32)
         assert f"eval_bundle.zip sha256 {digest}" in capsys.readouterr().out  # recorded and printed
         assert (isolated_cache / "eval_bundle.zip.sha256").read_text().split()[0] == digest
         (isolated_cache / "eval_bundle.zip").unlink()
-        bundle = C.ensure_bundle(url=url, sha256=digest)
+        bundle = ensure_bundle(url=url, sha256=digest)
     finally:
         httpd.shutdown()
     assert bundle.pinned and bundle.sha256 == digest and bundle.source.endswith("eval_bundle.zip")
-    assert [t.label for t in C.load_tasks(bundle)][0] == "mc_plain"
+    assert [t.label for t in load_tasks(bundle)][0] == "mc_plain"
     assert not list(isolated_cache.glob("*.tmp")) and not (isolated_cache / "eval_bundle").exists()
-    unpinned = C.ensure_bundle()  # cached: no network needed; no pin configured
+    unpinned = ensure_bundle()  # cached: no network needed; no pin configured
     assert not unpinned.pinned and unpinned.sha256 == digest
     monkeypatch.setenv("FRONTIER_EVAL_BUNDLE_SHA256", digest)
-    assert C.ensure_bundle().pinned
+    assert ensure_bundle().pinned
     archive = isolated_cache / "eval_bundle.zip"  # a bundle changed on disk after its download
     data = bytearray(archive.read_bytes())
     data[len(data) // 2] ^= 1
     archive.write_bytes(bytes(data))
-    with pytest.raises(C.CoreError, match="pinned bundle is"):
-        C.ensure_bundle()
+    with pytest.raises(CoreError, match="pinned bundle is"):
+        ensure_bundle()
     monkeypatch.delenv("FRONTIER_EVAL_BUNDLE_SHA256")
-    with pytest.raises(C.CoreError, match="changed since it was downloaded"):
-        C.ensure_bundle()
+    with pytest.raises(CoreError, match="changed since it was downloaded"):
+        ensure_bundle()
 
 
 def test_a_download_that_is_not_a_zip_fails_clearly(tmp_path, isolated_cache, monkeypatch):
@@ -276,7 +280,7 @@ def test_a_download_that_is_not_a_zip_fails_clearly(tmp_path, isolated_cache, mo
     httpd, url = _serve(b"<html>not found</html>")
     try:
         with pytest.raises(prepare.DownloadError, match="eval_bundle.zip: download failed"):
-            C.ensure_bundle(url=url)
+            ensure_bundle(url=url)
     finally:
         httpd.shutdown()
     assert not (isolated_cache / "eval_bundle.zip").exists()

@@ -88,7 +88,7 @@ def test_row_groups_for_split_shards_by_rank(tok):
 
 def test_pack_rows_best_fit():
     docs = [np.array([9] + [n] * (n - 1), dtype=np.int32) for n in (5, 3, 2, 7, 4)]
-    rows = list(loader._pack_rows(iter([(docs, 1)]), 8, buffer_size=100))
+    rows = list(loader.pack_rows(iter([(docs, 1)]), 8, buffer_size=100))
     # first row: longest that fits 8 is 7, then the 1 remaining slot crops the shortest (2)
     assert rows[0][0].tolist() == [9, 7, 7, 7, 7, 7, 7, 9]
     assert rows[1][0].tolist() == [9, 5, 5, 5, 5, 9, 3, 3]  # 5 fits, then 3

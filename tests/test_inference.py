@@ -11,7 +11,8 @@ import torch
 import inference as I
 import train as T
 from core_bundle import make_bundle
-from harness import core as C
+from harness.core.bundle import bundle_from_dir, load_examples, load_tasks
+from harness.core.prompts import build_request, shuffled_and_capped
 from helpers import REPO, run_prepare, shipped_tokenizer
 
 VOCAB = 512
@@ -158,12 +159,12 @@ def test_eval_core_verifies_the_prefix_cached_scorer(tmp_path, text_dataset, tin
     bundle = make_bundle(tmp_path)
     scorer = I.load_scorer(str(tiny_checkpoint), torch.device("cpu"))
     assert scorer.prefix_cache, capsys.readouterr().err
-    loaded = C.bundle_from_dir(bundle)
+    loaded = bundle_from_dir(bundle)
     tokenizer, grouped = shipped_tokenizer(), 0
-    for task in C.load_tasks(loaded):  # the bundle's own requests: some share prefixes, and score the same
-        data = C.shuffled_and_capped(C.load_examples(loaded, task), -1)
+    for task in load_tasks(loaded):  # the bundle's own requests: some share prefixes, and score the same
+        data = shuffled_and_capped(load_examples(loaded, task), -1)
         sequences = [s for i in range(len(data))
-                     for s in C.build_request(task, data, i, tokenizer, scorer.max_seq_len).sequences]
+                     for s in build_request(task, data, i, tokenizer, scorer.max_seq_len).sequences]
         grouped += sum(len(m) > 1 for _, m in I.prefix_groups(sequences))
         for (a, g), (b, h) in zip(scorer.score(sequences), scorer.score_plain(sequences)):
             torch.testing.assert_close(a, b, atol=1e-3, rtol=0)

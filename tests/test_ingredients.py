@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.loader import _pack_rows
+from harness.loader import pack_rows
 from helpers import REPO, run_prepare
 
 sys.path.insert(0, str(REPO))
@@ -200,7 +200,7 @@ def test_keep_rest_packs_like_the_kit_and_drops_nothing():
     lengths = [3, 40, 7, 130, 12, 64, 5, 300, 9, 33] * 4
     docs = documents(lengths)
     rows = [row for row, _ in T.keep_rest_rows([(docs, 1)], 33, buffer_size=8)]
-    kit = [row for row, _ in _pack_rows([(docs, 1)], 33, buffer_size=8)]
+    kit = [row for row, _ in pack_rows([(docs, 1)], 33, buffer_size=8)]
     assert all(len(r) == 33 for r in rows)
     total = sum(lengths)
     kept = collections.Counter(np.concatenate(rows).tolist())

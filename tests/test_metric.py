@@ -121,12 +121,12 @@ def long_shard(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model", [
-    PeekExceptAtFixedCuts(V, seq_len=32),  # peeks everywhere but the old fixed cut points 1, T/2, T-1
+    PeekExceptAtFixedCuts(V, seq_len=32),  # peeks everywhere but at the fixed cut points 1, T/2, T-1
     PeekAfterWarmup(V, warmup=3),  # honest in its first forwards, peeks afterwards
     PeekOnRealText(V),  # peeks only on rows that repeat a token (random rows almost never do)
-    PeekWithHugeSpecialLogit(V),  # one logit of -1e7 on a special token would have widened a relative tolerance
+    PeekWithHugeSpecialLogit(V),  # one logit of -1e7 on a special token: it would widen a relative tolerance
 ], ids=lambda m: type(m).__name__)
-def test_models_that_dodged_the_old_checks_are_refused(tok, long_shard, model):
+def test_models_that_hide_their_peeking_are_refused(tok, long_shard, model):
     with pytest.raises(prepare.EvalRefused, match="not causal"):
         _evaluate(model, tok, long_shard, seq_len=32, batch_size=8, max_tokens=32 * 200)
 

@@ -1,6 +1,6 @@
 """The worker's sandbox: what participant code may touch once the worker has applied it.
 
-Applied inside the worker process (harness/child.py) before any participant code is imported,
+Applied inside the worker process (worker_side.py) before any participant code is imported,
 and kept by everything the worker starts (no_new_privs; a Landlock domain and a seccomp filter
 are inherited across fork and exec and cannot be lifted):
 

@@ -1,11 +1,18 @@
-"""The messages between the harness and a worker: a 4-byte length, a JSON header, then `payload`
-raw bytes (the header says how many). File descriptors (the shared logits buffers) travel with
-a header as SCM_RIGHTS, harness to worker only.
+"""What travels between the harness and a worker, and the checks both ends share.
 
-Everything the worker sends is untrusted input to the harness, so the harness's side is strict:
-the header is at most MAX_HEADER_BYTES of plain JSON (no NaN or Infinity) holding an object,
-`payload` is an int no larger than the caller allows (0 where a reply carries no payload), and
-every read has a deadline. Any deviation is a WorkerError with one line saying what was wrong."""
+The messages: a 4-byte length, a JSON header, then `payload` raw bytes (the header says how
+many). File descriptors (the shared logits buffers) travel with a header as SCM_RIGHTS, harness
+to worker only.
+
+Everything the worker sends is untrusted input to the harness, so the harness's end (`recv`) is
+strict: the header is at most MAX_HEADER_BYTES of plain JSON (no NaN or Infinity) holding an
+object, `payload` is an int no larger than the caller allows (0 where a reply carries no
+payload), and every read has a deadline. Any deviation is a WorkerError with one line saying what
+was wrong. The worker's end (`recv_request`) reads the harness's requests as they come.
+
+A model's output: `logits_array` turns what model(inputs) returned into float32 logits, or
+refuses it. The worker runs it on its model's output; metric's in-process path on the caller's
+model; the harness checks a worker's reported compute dtype against LOGIT_DTYPES."""
 from __future__ import annotations
 
 import json
@@ -13,9 +20,12 @@ import socket
 import struct
 import time
 
-from harness.common import HarnessError
+import numpy as np
+
+from harness.common import EvalRefused, HarnessError
 
 MAX_HEADER_BYTES = 64 << 10  # a reply header larger than this is a broken or hostile worker
+LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what model(inputs) may return
 
 
 class WorkerError(HarnessError):
@@ -75,7 +85,7 @@ def parse_header(raw: bytes, max_payload: int) -> tuple[dict, int]:
 
 
 def recv(sock: socket.socket, deadline: float | None, max_payload: int = 0) -> tuple[dict, bytes]:
-    """The harness's side: one reply, checked (see the module docstring)."""
+    """The harness's end: one reply, checked (see the module docstring)."""
     (size,) = struct.unpack("<I", recv_exact(sock, 4, deadline))
     if size > MAX_HEADER_BYTES:
         raise WorkerError(f"the worker sent a {size}-byte message header (at most {MAX_HEADER_BYTES})")
@@ -84,7 +94,7 @@ def recv(sock: socket.socket, deadline: float | None, max_payload: int = 0) -> t
 
 
 def recv_request(sock: socket.socket) -> tuple[dict, bytes, list[int]]:
-    """The worker's side: one request from the harness (trusted), with any file descriptors."""
+    """The worker's end: one request from the harness (trusted), with any file descriptors."""
     raw, fds, _, _ = socket.recv_fds(sock, 4, 8)
     if not raw:
         raise ConnectionError("the harness closed the connection")
@@ -92,3 +102,18 @@ def recv_request(sock: socket.socket) -> tuple[dict, bytes, list[int]]:
     (size,) = struct.unpack("<I", raw)
     header = json.loads(recv_exact(sock, size, None))
     return header, recv_exact(sock, header["payload"], None), fds
+
+
+def logits_array(out, batch: int, seq_len: int, vocab: int) -> np.ndarray:
+    """model(inputs)'s output as float32 [batch, seq_len, vocab], or EvalRefused: it must be
+    exactly a plain torch.Tensor (no subclass) of a floating dtype and shape [batch, seq_len, V >= vocab]."""
+    import torch  # only here: the messages need no torch
+    if type(out) is not torch.Tensor:
+        raise EvalRefused(f"model(inputs) must return a plain torch.Tensor of logits, got {type(out).__module__}."
+                          f"{type(out).__qualname__}")
+    if str(out.dtype).replace("torch.", "") not in LOGIT_DTYPES:
+        raise EvalRefused(f"model(inputs) returned logits of dtype {out.dtype}; expected one of {LOGIT_DTYPES}")
+    if out.dim() != 3 or out.shape[0] != batch or out.shape[1] != seq_len or out.shape[2] < vocab:
+        raise EvalRefused(f"model(inputs) returned shape {tuple(out.shape)} for inputs {(batch, seq_len)}; "
+                          f"expected logits [{batch}, {seq_len}, V] with V >= {vocab}")
+    return out.detach()[..., :vocab].to("cpu", torch.float32).numpy()

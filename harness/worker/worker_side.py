@@ -1,10 +1,11 @@
-"""The worker process: `python -m harness.child FD`, started by harness/worker.py. Everything here
-runs beside participant code, so nothing here is trusted by the harness once that code is loaded.
+"""The worker's end: the worker process itself, `python -m harness.worker.worker_side FD`,
+started by harness_side.Worker. Everything here runs beside participant code, so the harness
+trusts nothing this process does once that code is loaded; no module of the harness imports it.
 
 The order is what makes the sandbox hold. The harness's requests arrive in this order:
 
     hello     report sys.path (the harness turns it into read rules)
-    sandbox   apply the OS sandbox (harness/sandbox.py): from here on, this process and all it
+    sandbox   apply the OS sandbox (sandbox.py): from here on, this process and all it
               starts can read only what the rules name and write only the private folder
     load      import train.py (load_for_eval) or inference.py (load_scorer) from the harness's
               private copy, and load the checkpoint copy
@@ -12,7 +13,7 @@ The order is what makes the sandbox hold. The harness's requests arrive in this 
     forward   model(rows) -> logits into a buffer          (model mode; repeated)
     score     scorer.score(sequences) -> losses, greedy     (scorer mode; repeated)
 
-Until `load`, only the interpreter, numpy, torch and this module have run."""
+Until `load`, only the interpreter, numpy, torch and the kit's harness code have run."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,10 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import protocol, sandbox
 from harness.common import EvalRefused, HarnessError
-
-LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what model(inputs) may return
+from harness.worker import sandbox, wire
 
 
 def import_participant_module(path, module_name: str):
@@ -84,21 +83,6 @@ def load_participant_model(train_py, checkpoint, device):
     return model
 
 
-def logits_array(out, batch: int, seq_len: int, vocab: int) -> np.ndarray:
-    """model(inputs)'s output as float32 [batch, seq_len, vocab], or EvalRefused: it must be
-    exactly a plain torch.Tensor (no subclass) of a floating dtype and shape [batch, seq_len, V >= vocab]."""
-    import torch
-    if type(out) is not torch.Tensor:
-        raise EvalRefused(f"model(inputs) must return a plain torch.Tensor of logits, got {type(out).__module__}."
-                          f"{type(out).__qualname__}")
-    if str(out.dtype).replace("torch.", "") not in LOGIT_DTYPES:
-        raise EvalRefused(f"model(inputs) returned logits of dtype {out.dtype}; expected one of {LOGIT_DTYPES}")
-    if out.dim() != 3 or out.shape[0] != batch or out.shape[1] != seq_len or out.shape[2] < vocab:
-        raise EvalRefused(f"model(inputs) returned shape {tuple(out.shape)} for inputs {(batch, seq_len)}; "
-                          f"expected logits [{batch}, {seq_len}, V] with V >= {vocab}")
-    return out.detach()[..., :vocab].to("cpu", torch.float32).numpy()
-
-
 def resolve_device(name: str, local_rank: int):
     """The worker's device: "auto" is the fastest present (neuron, cuda, cpu), chosen here, so the
     harness process itself never touches an accelerator; CUDA takes the rank's own GPU."""
@@ -108,7 +92,9 @@ def resolve_device(name: str, local_rank: int):
     return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
 
 
-class Child:
+class Server:
+    """Answers the harness's requests, one at a time, until it says "exit" or hangs up."""
+
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.model = self.scorer = self.device = None
@@ -170,7 +156,7 @@ class Child:
         x = torch.from_numpy(np.frombuffer(payload, dtype=np.int32).reshape(n, length).astype(np.int64))
         with torch.no_grad():
             out = self.model(x.to(self.device))
-        self.outputs[slot][:n, :length] = logits_array(out, n, length, self.vocab)
+        self.outputs[slot][:n, :length] = wire.logits_array(out, n, length, self.vocab)
         return {}
 
     def score(self, msg: dict, payload: bytes) -> tuple[dict, bytes]:
@@ -195,7 +181,7 @@ class Child:
     def serve(self) -> None:
         while True:
             try:
-                msg, payload, fds = protocol.recv_request(self.sock)
+                msg, payload, fds = wire.recv_request(self.sock)
             except ConnectionError:
                 return
             cmd = msg.get("cmd")
@@ -225,14 +211,14 @@ class Child:
                 import traceback
                 where = traceback.format_exc(limit=-3)
                 reply, data = {"error": f"{cmd} failed: {type(e).__name__}: {e}\n{where}"}, b""
-            protocol.send(self.sock, reply, data)
+            wire.send(self.sock, reply, data)
 
 
 def main() -> int:
     sandbox.die_with_parent(signal.SIGKILL)
     sock = socket.socket(fileno=int(sys.argv[1]))
     import torch  # noqa: F401  (trusted code, before the sandbox: the import needs nothing later)
-    Child(sock).serve()
+    Server(sock).serve()
     return 0
 
 

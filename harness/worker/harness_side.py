@@ -1,9 +1,9 @@
-"""The harness's side of a worker: a separate, sandboxed process that runs participant code
+"""The harness's end of a worker: a separate, sandboxed process that runs participant code
 (train.py's load_for_eval and the model's forward, or inference.py's scorer), so that nothing a
-participant writes ever runs in the process that computes the metric. The worker itself is
-harness/child.py; the messages are harness/protocol.py; the sandbox is harness/sandbox.py.
+participant writes ever runs in the process that computes the metric. The worker's own end is
+worker_side.py; the messages are wire.py; the sandbox is sandbox.py.
 
-    parent (harness)                                 child (python -m harness.child FD)
+    harness (this module)                            worker (python -m harness.worker.worker_side FD)
     Worker("model", submission, device)   ----->    sandbox, load_for_eval(ckpt copy, device)
     ModelForward.submit(rows) / .result() ----->    model(rows) -> logits into a sealed memfd
     Worker("scorer", submission, device)  ----->    sandbox, load_scorer(ckpt copy, device)
@@ -17,7 +17,7 @@ Containment, and where each part lives:
 - It loads the harness's private copy of the participant's files (harness/submission.py).
 - Before any participant code is imported it applies the sandbox the harness names; the
   harness first checks that no file it scores lies where the sandbox lets the worker read.
-- Every request has a deadline; every reply is size-bounded and checked (protocol.py), and the
+- Every request has a deadline; every reply is size-bounded and checked (wire.py), and the
   values it carries are names from fixed lists (_checked_info), never text the harness prints.
 - Logits come back through memfds the harness created, sized and sealed (no shrinking, no
   growing), so the worker cannot make the harness's mapping fault.
@@ -42,12 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import protocol, sandbox
-from harness.child import LOGIT_DTYPES
-from harness.common import EvalRefused, HarnessError
+from harness.common import EvalRefused
 from harness.config import REPO_DIR
-from harness.protocol import WorkerError, WorkerTimeout
 from harness.submission import Submission
+from harness.worker import sandbox, wire
+from harness.worker.wire import LOGIT_DTYPES, WorkerError
 
 STDERR_TAIL_LINES = 40  # worker output kept for error messages
 MAX_LINE_CHARS = 4000  # a longer output line is cut into pieces of this size
@@ -69,7 +68,7 @@ WORKER_ENV_PREFIXES = ("LC_", "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GO
 HIDDEN_ENV_PREFIXES = ("FRONTIER_", "NEURON_COMPETITION_R1_", "TORCHELASTIC_")
 HIDDEN_ENV_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
-KIT_FILES = ("prepare.py", "harness")  # the kit's code a worker runs (a copy of it, in its private folder)
+WORKER_MODULE = "harness.worker.worker_side"  # what the worker runs: `python -m WORKER_MODULE FD`
 # Caches a compiler may write: all of them go to the worker's private folder, so nothing one
 # worker writes is read by another (a shared cache would be a channel between them).
 CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "XDG_CACHE_HOME": "xdg",
@@ -245,7 +244,7 @@ class Worker:
         self.sock = parent_sock
         env = worker_environment(self.private_dir, self.private_dir / "kit", tokenizer_copy,
                                  getattr(tokenizer, "sha256", None))
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.child", str(child_sock.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(child_sock.fileno())],
                                      cwd=self.private_dir, env=env, pass_fds=(child_sock.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -336,7 +335,7 @@ class Worker:
 
     def send(self, header: dict, payload=b"", fds=()) -> None:
         try:
-            protocol.send(self.sock, header, payload, fds)
+            wire.send(self.sock, header, payload, fds)
         except OSError:
             raise self._failure(f"receiving the request {header.get('cmd')!r}") from None
 
@@ -344,7 +343,7 @@ class Worker:
         """The next reply; EvalRefused when the worker reports a contract failure, WorkerError on a
         crash or a malformed reply, WorkerTimeout past the deadline."""
         try:
-            header, payload = protocol.recv(self.sock, self.deadline, max_payload)
+            header, payload = wire.recv(self.sock, self.deadline, max_payload)
         except ConnectionError:
             raise self._failure(what) from None
         if "refused" in header:
@@ -362,7 +361,7 @@ class Worker:
         try:
             if self._exit_code(0) is None:
                 try:
-                    protocol.send(self.sock, {"cmd": "exit"})
+                    wire.send(self.sock, {"cmd": "exit"})
                     self._exit_code(EXIT_GRACE_SECONDS)
                 except OSError:
                     pass

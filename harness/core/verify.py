@@ -1,0 +1,233 @@
+"""CORE's verification: the secret sample of inference.py's answers scored again through the
+trusted path (train.py's load_for_eval in two model workers, log-probs computed here from their
+logits), with twins cut at secret points; any disagreement beyond a tolerance refuses the run."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
+from harness.common import CoreError, EvalRefused
+from harness.config import SPECIAL_TOKENS
+from harness.core.scoring import Sample, is_correct, region_mean_losses
+from harness.worker.harness_side import ModelForward
+
+# inference.py's answers against the trusted path's (train.py's model, other batches and padding, no
+# prefix cache). Measured (benchmarks/check_tolerances.py --examples 40: a CPU-preset model trained 2
+# minutes, 879 imitated examples of the 22 tasks at up to 1,024 tokens, CPU): bf16 per-token log-probs
+# differ by up to 0.0442 nats and mean losses by up to 0.0187 (fp32: 3.8e-6 and 1.9e-6); the bf16 gap is
+# the logits' own rounding (a bf16 logit near 16 moves in steps of 0.0625). Each tolerance is at least
+# 2.5 times the honest difference it bounds, rounded up:
+VERIFY_LOSS_TOLERANCE = 0.1  # nats: a choice's mean loss, inference.py's vs the trusted one (5.3x 0.0187)
+# a claimed greedy token's log-prob may trail the trusted best by this: at a near-tie both log-probs
+# move, so an honest gap reaches twice the per-token difference (2 x 0.0442 x 2.5 = 0.22)
+VERIFY_GREEDY_TOLERANCE = 0.25
+# A decision of inference.py's that differs from the trusted path's is accepted only where the trusted
+# decision is this close to flipping (nats): the honest difference can flip a near-tie, and nothing
+# more. Either side of a tie may move, so twice the measured difference, times 2.5, rounded up; a
+# choice hinges on mean losses (2 x 0.0187), an exact match on single tokens (2 x 0.0442).
+DECISION_ALLOWANCE_NATS = {"choice": 0.1, "exact_match": 0.25}
+VERIFY_BATCH_ROWS = 4  # rows per forward of the trusted path
+VERIFY_LENGTH_BUCKET = 64  # the trusted path pads each forward to a multiple of this length
+VERIFY_SECRET_IDS = 8  # token ids compared at every position of a twin, besides the sequence's own
+
+
+@dataclass
+class TrustedRow:
+    """A sequence the trusted path runs: an original (every sequence of a sampled example), or its
+    shadow in the other pass: a twin cut at `cut` (other text after it) or a repeat (cut None)."""
+    tokens: list[int]
+    ids: np.ndarray  # int64 [len - 1, k]: the token ids whose log-probs are kept at each position
+    key: tuple[int, int]  # (sample, sequence)
+    cut: int | None = None
+
+
+def padded_length(rows: list[TrustedRow], max_len: int) -> int:
+    return min(-(-max(len(r.tokens) for r in rows) // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET, max_len)
+
+
+def run_rows(forward: ModelForward, batches: list[list[TrustedRow]], pad_id: int
+             ) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Each batch through the forward (right-padded to its bucketed length; a causal model never
+    sees the padding), two in flight: per row, (log-softmax at its ids [n - 1, k], the two largest
+    log-softmax values [n - 1, 2]), computed here in fp32 from the worker's logits."""
+    out, queue = [], []
+
+    def take():
+        batch = queue.pop(0)
+        logits = torch.from_numpy(forward.result())
+        got = []
+        for r, row in enumerate(batch):
+            x = logits[r, :len(row.tokens) - 1]
+            lp, lse = checked_log_probs(x, row.ids, "the trusted model")
+            got.append((lp, x.topk(2, dim=-1).values - lse))
+        out.append(got)
+
+    for batch in batches:
+        length = padded_length(batch, forward.max_len)
+        inputs = np.full((len(batch), length), pad_id, dtype=np.int32)
+        for r, row in enumerate(batch):
+            inputs[r, :len(row.tokens)] = row.tokens
+        if len(queue) == 2:
+            take()
+        forward.submit(inputs)
+        queue.append(batch)
+    while queue:
+        take()
+    return out
+
+
+def _twin_tokens(seq: list[int], cut: int, donors: list[list[int]], rng: random.Random) -> list[int] | None:
+    """seq's tokens before cut, then other real text (a donor's tokens from the cut on, repeated to
+    fill) whose first token differs from seq's at the cut: the same length as seq."""
+    for _ in range(20):
+        donor = donors[rng.randrange(len(donors))]
+        if len(donor) > cut and donor[cut] != seq[cut]:
+            tail = (list(donor[cut:]) * (len(seq) // (len(donor) - cut) + 1))[:len(seq) - cut]
+            return list(seq[:cut]) + tail
+    return None
+
+
+def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch.Tensor]], tol: dict) -> dict:
+    """Compare inference.py's answers for one sampled example with the trusted path's log-probs:
+    each mean loss within VERIFY_LOSS_TOLERANCE, each claimed greedy token within
+    VERIFY_GREEDY_TOLERANCE of the best, and the decision itself (the choice, the exact match)
+    equal to the trusted one unless the trusted decision's own margin is below the allowance.
+    CoreError on a disagreement; returns the worst differences and the margin."""
+    r, task = sample.request, sample.task
+    ours = region_mean_losses(r, [(-lp[:, 0].double().numpy(), None) for lp, _ in lps])
+    theirs = region_mean_losses(r, sample.claimed)
+    worst = {"loss": 0.0, "greedy": 0.0, "margin_flipped": 0.0, "flipped": False}
+    for j, (a, b) in enumerate(zip(ours, theirs)):
+        worst["loss"] = max(worst["loss"], abs(a - b))
+        if not abs(a - b) <= VERIFY_LOSS_TOLERANCE:
+            raise CoreError(f"inference.py's answer differs from the trusted model on task {task.label!r}, example "
+                            f"{sample.index}: sequence {j} has mean loss {b:.4f} over its scored region, the trusted "
+                            f"path {a:.4f} (tolerance {VERIFY_LOSS_TOLERANCE}). The inference path must score the "
+                            "trained model")
+    claimed_correct = is_correct(task.task_type, r, sample.claimed)
+    allowance = tol["decision"]["exact_match" if task.task_type == "language_modeling" else "choice"]
+    if task.task_type == "language_modeling":
+        (lp, top2), s, e = lps[0], r.starts[0], r.ends[0]
+        cont, best, second = lp[s - 1:e - 1, 0], top2[s - 1:e - 1, 0], top2[s - 1:e - 1, 1]
+        claimed = lp[s - 1:e - 1, 1]
+        gap = float((best - claimed).max())
+        worst["greedy"] = gap
+        if not gap <= VERIFY_GREEDY_TOLERANCE:
+            raise CoreError(f"inference.py's greedy predictions differ from the trusted model on task {task.label!r}, "
+                            f"example {sample.index}: a claimed prediction's log-prob trails the best by {gap:.3f} "
+                            f"nats (tolerance {VERIFY_GREEDY_TOLERANCE}). The inference path must score the trained "
+                            "model")
+        trusted_correct = bool((cont >= best).all())
+        # the smallest change of the trusted log-probs that would flip its decision
+        margin = float((cont - second).min()) if trusted_correct else float((best - cont).max())
+        what = "an exact match" if trusted_correct else "not an exact match"
+    else:
+        choice = ours.index(min(ours))
+        trusted_correct = choice == r.gold
+        claimed_choice = theirs.index(min(theirs))
+        margin = 0.0 if claimed_choice == choice else ours[claimed_choice] - ours[choice]
+        what = f"choice {choice}"
+    if trusted_correct != claimed_correct:
+        if not margin < allowance:
+            verdict = "correct" if claimed_correct else "wrong"
+            raise CoreError(f"inference.py's decision differs from the trusted model's on task {task.label!r}, "
+                            f"example {sample.index}: the trusted path finds {what} by a margin of {margin:.4g} "
+                            f"nats (inference.py says {verdict}; allowance {allowance:g}). The inference path must "
+                            "score the trained model")
+        worst["margin_flipped"], worst["flipped"] = margin, True
+    return worst
+
+
+def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Random) -> dict:
+    """Score every sequence of every sampled example through the trusted path, in two passes (for
+    the command line: two fresh model workers, one after the other). The first runs the originals,
+    batched by length; only then does the second run a shadow of every batch: the same rows at the
+    same shape, with one sequence per example replaced by its twin (cut at a secret point of its
+    scored region, other text after it) and the others repeated. So a twin runs at its original's
+    length, padding and batch size, in a worker that never saw an original. Then: each shadow row
+    agrees with its original (before the cut, for a twin) within the dtype's same-shape tolerance,
+    and each example's answers and decision agree with inference.py's (trusted_decision_check).
+    CoreError on the first disagreement. open_pass(k) is a context manager giving (forward,
+    compute dtype) for pass k."""
+    vocab, pad = tokenizer.get_vocab_size(), tokenizer.get_bos_token_id()
+    secret_ids = np.array(rng.sample(range(vocab - len(SPECIAL_TOKENS)), VERIFY_SECRET_IDS), dtype=np.int64)
+    originals: dict[tuple[int, int], TrustedRow] = {}
+    for k, sample in enumerate(samples):
+        for j, seq in enumerate(sample.request.sequences):
+            claimed = np.asarray(sample.claimed[j][1], dtype=np.int64)
+            if claimed.size and (claimed.min() < 0 or claimed.max() >= vocab):
+                raise CoreError(f"inference.py's greedy predictions on task {sample.task.label!r} hold token ids "
+                                f"outside the vocabulary [0, {vocab})")
+            ids = np.concatenate([np.asarray(seq[1:], dtype=np.int64)[:, None], claimed[:, None],
+                                  np.broadcast_to(secret_ids, (len(seq) - 1, VERIFY_SECRET_IDS))], axis=1)
+            originals[k, j] = TrustedRow(list(seq), ids, (k, j))
+    twinned = {}  # sample -> (sequence, cut, twin tokens)
+    for k, sample in enumerate(samples):
+        j = rng.randrange(len(sample.request.sequences))
+        seq, s, e = sample.request.sequences[j], sample.request.starts[j], sample.request.ends[j]
+        donors = [r.tokens for key, r in originals.items() if key[0] != k]
+        if e > s and donors:
+            cut = rng.randrange(s, e)
+            twin = _twin_tokens(seq, cut, donors, rng)
+            if twin is not None:
+                twinned[k] = (j, cut, twin)
+    rows = sorted(originals.values(), key=lambda r: len(r.tokens))
+    batches = [rows[i:i + VERIFY_BATCH_ROWS] for i in range(0, len(rows), VERIFY_BATCH_ROWS)]
+
+    def shadow(batch: list[TrustedRow]) -> list[TrustedRow]:
+        out = []
+        for row in batch:
+            k, j = row.key
+            if k in twinned and twinned[k][0] == j:
+                out.append(TrustedRow(twinned[k][2], row.ids, row.key, cut=twinned[k][1]))
+            else:
+                out.append(TrustedRow(row.tokens, row.ids, row.key))
+        return out
+
+    trusted: dict[tuple[int, int], tuple] = {}
+    shadows: list[tuple[TrustedRow, tuple]] = []
+    dtypes = []
+    for p, plan in enumerate((batches, [shadow(b) for b in rng.sample(batches, len(batches))])):
+        with open_pass(p) as (forward, dtype):
+            dtypes.append(dtype)
+            results = run_rows(forward, plan, pad)
+        for batch, got in zip(plan, results):
+            for row, lp in zip(batch, got):
+                if p == 0:
+                    trusted[row.key] = lp
+                else:
+                    shadows.append((row, lp))
+    if dtypes[0] != dtypes[1]:
+        raise CoreError(f"the trusted model reported compute dtype {dtypes[0]} in one worker and {dtypes[1]} in the "
+                        "other")
+    tol = {**tolerances_for(dtypes[0]), "decision": DECISION_ALLOWANCE_NATS}
+    checks = CheckLog()
+    for row, (lp, _) in shadows:
+        k, j = row.key
+        original = trusted[row.key][0]
+        columns = [0] + list(range(2, 2 + VERIFY_SECRET_IDS))  # the claimed column refers to the original's text
+        upto = row.cut if row.cut is not None else len(original)
+        try:
+            compare_log_probs("causality" if row.cut is not None else "batch_content", lp[:upto, columns],
+                              original[:upto, columns], tol["same_shape"], checks,
+                              f"task {samples[k].task.label!r}, example {samples[k].index}, sequence {j}"
+                              + (f" cut at position {row.cut}" if row.cut is not None else " run again"))
+        except EvalRefused as e:
+            raise CoreError(f"the trained model fails the contract: {e}") from None
+    worst = {"loss": 0.0, "greedy": 0.0, "margin_flipped": 0.0}
+    decisions_flipped = 0
+    for k, sample in enumerate(samples):
+        found = trusted_decision_check(sample, [trusted[k, j] for j in range(len(sample.request.sequences))], tol)
+        decisions_flipped += found.pop("flipped")
+        worst = {key: max(worst[key], found[key]) for key in worst}
+    return {"examples": len(samples), "sequences": len(originals), "twins": len(twinned),
+            "shadow_rows": len(shadows), "decisions_flipped_within_allowance": decisions_flipped,
+            "max_abs_loss_diff": worst["loss"], "max_greedy_gap": worst["greedy"],
+            "max_causal_diff": max(checks.worst["causality"], checks.worst["batch_content"]),
+            "max_flipped_margin": worst["margin_flipped"], "compute_dtype": dtypes[0] or "unknown",
+            "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "greedy": VERIFY_GREEDY_TOLERANCE,
+                           "same_shape": tol["same_shape"], "decision": DECISION_ALLOWANCE_NATS}}
