@@ -1176,7 +1176,16 @@ def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | No
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
-def device_profile(device_type: str, dtype: str = "auto") -> DeviceProfile:
+def device_profile(device_type: str, dtype: str = "auto", peak_tflops: float = 0.0) -> DeviceProfile:
+    """The device's backends, compute dtype and peak FLOP/s per rank (MFU's denominator): the datasheet's or
+    measured, or peak_tflops (--peak-tflops) where given."""
+    profile = _device_profile(device_type, dtype, measure_peak=peak_tflops <= 0)
+    if peak_tflops > 0:
+        return dataclasses.replace(profile, peak_flops=peak_tflops * 1e12, peak_source="given (--peak-tflops)")
+    return profile
+
+
+def _device_profile(device_type: str, dtype: str, measure_peak: bool) -> DeviceProfile:
     compute = compute_dtype_for(device_type, dtype)
     if device_type == "neuron":
         lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))  # physical cores behind one rank
@@ -1186,11 +1195,11 @@ def device_profile(device_type: str, dtype: str = "auto") -> DeviceProfile:
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
         if peak is None:
-            return DeviceProfile("cuda", "nccl", compute, "inductor", _measure_cuda_flops(),
+            return DeviceProfile("cuda", "nccl", compute, "inductor", _measure_cuda_flops() if measure_peak else 0.0,
                                  f"measured bf16 matmul on {name}")
         return DeviceProfile("cuda", "nccl", compute, "inductor", peak, f"datasheet, {name}")
     if device_type == "cpu":
-        peak = measure_matmul_flops(compute or torch.float32)
+        peak = measure_matmul_flops(compute or torch.float32) if measure_peak else 0.0
         return DeviceProfile("cpu", "gloo", compute, "inductor", peak,
                              f"best 1-thread {'bf16' if compute else 'fp32'} matmul of n = "
                              f"{'/'.join(map(str, CPU_PEAK_SIZES))} here x {cpu_threads()} threads")
@@ -2215,6 +2224,8 @@ class RunOptions:
                              # loses at most this much training
     resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
     log_every: int = 10  # print a progress line every this many steps
+    peak_tflops: float = 0.0  # the peak TFLOP/s per rank that MFU divides by (0: the datasheet's, or measured on a
+                              # CPU, which takes about a second)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
     inject_nan_step: int = -1  # test hook: make the loss NaN at this step, to exercise the failure path
@@ -2379,7 +2390,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--sampler {recipe.sampler!r}: use one of {', '.join(SAMPLERS)}")
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
     setup_kernels(options, device_type, config)
-    profile = device_profile(device_type, recipe.dtype)
+    profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
     device, rank, world_size = init_distributed(profile)
     for note in notes:
         print0(f"environment: {note}")

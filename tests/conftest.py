@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,12 @@ def stdlib_dataset(tmp_path_factory):
     return _setup(root, ["--source", "stdlib"])
 
 
-TINY_TRAIN_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "128",
+TINY_MODEL_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "128",
                    "--device-batch-size", "8", "--total-batch-size", "1024", "--eval-tokens", "4096",
                    "--log-every", "10", "--device", "cpu"]
+# MFU against a given peak: no CPU matmul measurement (a second) in every train.py the tests start; the
+# measurement itself runs in tiny_training and tests/test_model.py.
+TINY_TRAIN_ARGS = TINY_MODEL_ARGS + ["--peak-tflops", "0.1"]
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +55,7 @@ def tiny_training(tmp_path_factory, text_dataset):
     from helpers import REPO
     out = tmp_path_factory.mktemp("trained")
     env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_TRAIN_ARGS, "--max-steps", "60",
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_MODEL_ARGS, "--max-steps", "60",
                              "--time-budget", "600", "--out-dir", str(out / "out")], cwd=out, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -80,3 +84,22 @@ def honest(tmp_path_factory, checkpoint, text_dataset):
     result, lines = evaluate(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset)
     assert result.returncode == 0, result.stderr
     return lines
+
+
+@pytest.fixture
+def train_main(monkeypatch, text_dataset):
+    """train.py's main(argv) in this process, on the generated text, each call as a new process would start:
+    an empty budget ledger (the harness's, which takes steps in order from 0 once per process) and no
+    compiled graphs. For what is not about the process boundary: the loop, its errors, its host reads."""
+    import torch
+    from harness import ledger
+    from helpers import REPO
+    sys.path.insert(0, str(REPO))
+    import train
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+
+    def main(argv):
+        monkeypatch.setattr(ledger, "_LEDGER", ledger._fresh_ledger())
+        torch._dynamo.reset()
+        return train.main(argv)
+    return main

