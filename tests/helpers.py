@@ -73,6 +73,18 @@ def run_prepare(args: list[str], env_extra: dict | None = None, cwd: Path = REPO
                           text=True, timeout=timeout)
 
 
+def setup_in_process(args: list[str], env_extra: dict, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """`python prepare.py setup ARGS` run in this process (its exit code and output as run_prepare returns
+    them): for what is about setup's checks and messages, not about the process boundary."""
+    from harness import cli
+    for name, value in env_extra.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = cli.main(["setup", *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["prepare.py", "setup", *args], code, out.out, out.err)
+
+
 # --- toy models for the metric ------------------------------------------------------------------
 
 class UniformModel(nn.Module):

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import time
 
-from helpers import REPO, make_text_source, random_documents, run_prepare
+from helpers import REPO, make_text_source, random_documents, run_prepare, setup_in_process
 
 
 def _fresh_clone(dest):
@@ -61,7 +61,7 @@ def test_rerun_repairs_a_deleted_shard_and_leftover_temp_files(tmp_path):
     assert str(shards[0].parent) == data_dir
 
 
-def test_bad_sources_get_one_clear_error(tmp_path):
+def test_bad_sources_get_one_clear_error(tmp_path, monkeypatch, capsys):
     env = {"FRONTIER_CACHE_DIR": str(tmp_path / "cache")}
     cases = [
         (["--source", "nope"], "unknown --source 'nope'"),
@@ -72,7 +72,7 @@ def test_bad_sources_get_one_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     cases.append((["--source", f"dir:{tmp_path / 'empty'}"], "found 0 usable documents"))
     for args, message in cases:
-        result = run_prepare(["setup", *args], env)
+        result = setup_in_process(args, env, monkeypatch, capsys)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
