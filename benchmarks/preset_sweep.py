@@ -98,6 +98,49 @@ def ingredient_flags(spec: str) -> list[str]:
     return T.flags_for(settings)
 
 
+RESULT_FIELDS = ("commit", "base", "shape", "ingredients", "seed", "length", "text", "extra", "device", "eval_tokens",
+                 "params_M", "steps", "tokens_M", "tok_s", "startup_s", "charged_s", "val_bpb", "wall_s", "command")
+KEY_FIELDS = ("base", "shape", "ingredients", "seed", "length", "text", "extra", "device", "eval_tokens")
+
+
+class ResultsTable:
+    """A TSV of finished runs, one line each with the commit it ran at (a line is written whole: the file is
+    rewritten to a temporary name and renamed), so that a sweep interrupted at any point, or continued in
+    another session, runs only what the file does not have yet."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows = []
+        if path.exists():
+            lines = path.read_text().splitlines()
+            if not lines or lines[0].split("\t") != list(RESULT_FIELDS):
+                raise SystemExit(f"{path}: not a results table of this script (its header is not {RESULT_FIELDS})")
+            self.rows = [dict(zip(RESULT_FIELDS, line.split("\t"))) for line in lines[1:] if line]
+
+    def find(self, key: dict) -> dict | None:
+        for row in self.rows:
+            if all(row[k] == key[k] for k in KEY_FIELDS):
+                return {"params_M": float(row["params_M"]), "steps": int(row["steps"]), "tokens_M": float(row["tokens_M"]),
+                        "tok_s": float(row["tok_s"]), "startup_s": float(row["startup_s"]),
+                        "charged_s": float(row["charged_s"]), "val_bpb": float(row["val_bpb"]),
+                        "wall_s": float(row["wall_s"])}
+        return None
+
+    def add(self, key: dict, command: str, result: dict) -> None:
+        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "train.py"], cwd=REPO, capture_output=True,
+                               text=True).stdout.strip()
+        row = {**key, "commit": commit + ("+" if dirty else ""), "command": command,
+               **{k: f"{result[k]:.4f}" if k == "val_bpb" else f"{result[k]:.6g}" for k in
+                  ("params_M", "steps", "tokens_M", "tok_s", "startup_s", "charged_s", "val_bpb", "wall_s")}}
+        self.rows.append({k: str(row[k]).replace("\t", " ") for k in RESULT_FIELDS})
+        text = "\n".join(["\t".join(RESULT_FIELDS)] + ["\t".join(r[k] for k in RESULT_FIELDS) for r in self.rows])
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, self.path)
+
+
 def summary(stdout: str) -> dict:
     after = stdout.split("\n---\n", 1)[-1]
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in after.splitlines() if ":" in line)}
@@ -156,6 +199,10 @@ def main():
                                                          "on; default: the active one")
     parser.add_argument("--extra", default="", help="more train.py flags for every run, as one argument: "
                                                      "--extra='--log-every 50'")
+    parser.add_argument("--results", default=None, help="a TSV (e.g. benchmarks/results/presets.tsv) that gets one "
+                                                         "line per finished run; a run it already has is not run again")
+    parser.add_argument("--text", default=None, help="the name of the text in --results (default: the --data-dir "
+                                                      "folder's parent, or stdlib)")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temp folder); rerun with the "
                                                     "same folder to continue an interrupted sweep")
     args = parser.parse_args()
@@ -180,6 +227,9 @@ def main():
                  "--max-tokens", str(args.eval_tokens)]
     print(f"{len(shapes) * len(specs) * len(seeds)} runs in {out}", flush=True)
     results: dict[tuple[str, str], dict[int, dict]] = {}
+    text = args.text or (Path(args.data_dir).resolve().parent.name if args.data_dir else "stdlib")
+    length_label = f"{args.max_steps} steps" if args.max_steps else f"{args.budget:g}s"
+    table = ResultsTable(Path(args.results)) if args.results else None
 
     def run_grid(grid):
         for shape, spec in grid:
@@ -188,8 +238,17 @@ def main():
                 cmd = [sys.executable, "train.py", "--preset", args.base_preset, *SHAPES[shape],
                        *ingredient_flags(spec), *length, "--no-eval-public", "--seed", str(seed), "--device", args.device,
                        "--out-dir", str(out / name / "out"), *args.extra.split()]
-                print(f"{name}: {' '.join(cmd[2:])}", flush=True)
-                r = run_one(out / name, cmd, score_cmd, env)
+                key = {"base": args.base_preset, "shape": shape, "ingredients": spec, "seed": str(seed),
+                       "length": length_label, "text": text, "extra": args.extra, "device": args.device,
+                       "eval_tokens": str(args.eval_tokens)}
+                r = table.find(key) if table else None
+                if r is not None:
+                    print(f"{name}: in {table.path} already", flush=True)
+                else:
+                    print(f"{name}: {' '.join(cmd[2:])}", flush=True)
+                    r = run_one(out / name, cmd, score_cmd, env)
+                    if r is not None and table:
+                        table.add(key, " ".join(cmd[1:]), r)
                 if r is not None:
                     results.setdefault((shape, spec), {})[seed] = r
                     print(f"  {r['params_M']:.2f}M params | {r['steps']} steps | {r['tokens_M']:.2f}M tokens | "
