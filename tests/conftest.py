@@ -103,3 +103,17 @@ def train_main(monkeypatch, text_dataset):
         torch._dynamo.reset()
         return train.main(argv)
     return main
+
+
+@pytest.fixture(scope="session")
+def two_rank_steps(tmp_path_factory):
+    """tests/fixtures/one_step.py and sharded_step.py under one torchrun of 2 processes (the CI's standard):
+    the folder with their results (ddp.pt; rank0.pt, rank1.pt)."""
+    import subprocess
+    from helpers import REPO
+    out = tmp_path_factory.mktemp("two_rank_steps")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "tests" / "fixtures" / "two_rank_steps.py"), str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return out
