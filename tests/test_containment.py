@@ -759,3 +759,75 @@ def test_core_verification_that_never_answers_meets_the_deadline(tmp_path, text_
     assert "CORE did not finish within 30s" in result.stderr and "core:" not in result.stdout
     assert "centered:" in result.stdout  # the scoring finished: the stall was met where it was put
     assert time.time() - t0 < 30 + 30 and list(scratch.iterdir()) == []
+
+
+# --- 13. what a worker leaves in its private folder ---------------------------------------------
+
+LEAVE_BEHIND_CODE = '''
+import os
+import stat
+import sys
+
+
+def leave_behind(home):
+    """Nesting deeper than the interpreter's recursion limit and paths longer than PATH_MAX, many
+    files, folders and files without permissions, a FIFO, a socket, a hard link, symbolic links
+    out of the folder."""
+    os.chdir(home)
+    os.mkdir("deep")
+    os.chdir("deep")
+    for _ in range(1100):  # 1,100 levels of 40 characters: a path of 45,000
+        os.mkdir("n" * 40)
+        os.chdir("n" * 40)
+    open("bottom", "w").write("x" * 100_000)
+    os.chdir(home)
+    os.mkdir("many")
+    for i in range(3000):
+        open(f"many/{i}", "w").close()
+    os.mkdir("odd")
+    open("odd/file", "w").write("x")
+    os.mkfifo("odd/fifo")
+    os.mknod("odd/socket", 0o600 | stat.S_IFSOCK)
+    os.link("odd/file", "odd/hard_link")
+    os.symlink("/etc", "odd/to_etc")
+    os.symlink(os.path.dirname(home), "to_parent")
+    os.close(os.open("odd/no_permissions", os.O_CREAT | os.O_WRONLY, 0o000))
+    os.mkdir("odd/closed", 0o000)
+    os.mkdir("write_only", 0o300)
+    open("write_only/hidden", "w").write("x")
+    os.mkdir("write_only/closed", 0o000)
+    print("LEFT BEHIND", file=sys.stderr, flush=True)
+'''
+LEAVE_BEHIND = LEAVE_BEHIND_CODE + '''
+
+leave_behind(os.environ["HOME"])  # the worker's private folder
+
+
+class Cheat(Model):
+    pass
+'''
+
+
+def test_whatever_a_worker_leaves_is_removed(tmp_path, checkpoint, text_dataset, honest_runs):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    cheat = participant(tmp_path, "leave", LEAVE_BEHIND)
+    result, lines = evaluate(cheat, checkpoint, text_dataset, env={"TMPDIR": str(scratch)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[worker] LEFT BEHIND" in result.stderr and "[worker.2] LEFT BEHIND" in result.stderr
+    assert "Traceback" not in result.stderr and lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+    assert list(scratch.iterdir()) == []  # both workers' folders and the submission's copy are gone
+    assert (Path("/etc") / "passwd").exists()  # the links were removed, not followed
+    # The control: the same folder, removed as the harness removed it before (shutil.rmtree with
+    # ignore_errors), raises past ignore_errors and leaves it behind.
+    home = tmp_path / "control"
+    home.mkdir()
+    import shutil
+    import subprocess
+    subprocess.run([sys.executable, "-c", LEAVE_BEHIND_CODE + f"leave_behind({str(home)!r})\n"], check=True)
+    with pytest.raises(RecursionError):
+        shutil.rmtree(home, ignore_errors=True)
+    assert home.exists()
+    from harness.worker.limits import remove_tree
+    remove_tree(home)
+    assert not home.exists()
