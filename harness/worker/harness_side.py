@@ -352,6 +352,8 @@ class Worker:
             header, payload = wire.recv(self.sock, self.deadline, max_payload)
         except ConnectionError:
             raise self._failure(what) from None
+        if ("refused" in header or "error" in header) and self.watchdog.look_now():
+            raise self._over_cap()  # the error (a write that failed, a thread not started) is the cap's
         if "refused" in header:
             raise EvalRefused(quoted(header["refused"]))
         if "error" in header:

@@ -219,8 +219,8 @@ def over_cap(usage: Usage, limits: Limits) -> str:
     if usage.memory > limits.memory:
         return (f"held {usage.memory // mib} MiB of memory, more than its cap of {limits.memory // mib} MiB "
                 f"(${LIMIT_VARIABLES['memory'][0]})")
-    if usage.disk > limits.disk:
-        return (f"wrote {usage.disk // mib} MiB into its private folder, more than its cap of {limits.disk // mib} "
+    if usage.disk >= limits.disk:  # no file grows past the cap (RLIMIT_FSIZE): reaching it is the flood
+        return (f"wrote {usage.disk // mib} MiB into its private folder, up to its cap of {limits.disk // mib} "
                 f"MiB (${LIMIT_VARIABLES['disk'][0]})")
     if usage.files > limits.files:
         return (f"made more than {limits.files} files and folders in its private folder, its cap "
@@ -240,6 +240,7 @@ class Watchdog:
         self.reason = ""
         self.peak = Usage()
         self._disk, self._over_memory = Usage(), 0  # the folder's last measure; memory looks over in a row
+        self._lock = threading.Lock()  # one look at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="frontier-watchdog")
 
@@ -250,21 +251,32 @@ class Watchdog:
         """Stop watching, after one last look (what the worker did since the previous one counts)."""
         self._stop.set()
         self._thread.join(timeout=10)
-        if not self.reason and not self._thread.is_alive():
-            reason, self._over_memory = self._look(True, self._disk, self._over_memory)
-            if reason:
-                self.reason = reason
-                self.kill()
+        self.look_now()
+
+    def look_now(self) -> str:
+        """Look once more, folder included (the worker has just failed, or is about to be
+        stopped): what is over its cap, and the worker stopped if anything is; '' if nothing."""
+        with self._lock:
+            if not self.reason:
+                self._over_memory = max(self._over_memory, 1)  # one more look over is enough now
+                reason, self._over_memory = self._look(True, self._disk, self._over_memory)
+                if reason:
+                    self.reason = reason
+                    self.kill()
+        return self.reason
 
     def _run(self) -> None:
         next_disk, wait = 0.0, TICK_SECONDS
         while not self._stop.wait(wait):
             t0 = time.monotonic()
-            reason, self._over_memory = self._look(t0 >= next_disk, self._disk, self._over_memory)
-            if reason:
-                self.reason = reason
-                self.kill()
-                return
+            with self._lock:
+                if self.reason:
+                    return
+                reason, self._over_memory = self._look(t0 >= next_disk, self._disk, self._over_memory)
+                if reason:
+                    self.reason = reason
+                    self.kill()
+                    return
             spent = time.monotonic() - t0
             if t0 >= next_disk:
                 next_disk = time.monotonic() + max(DISK_SECONDS, spent / MAX_SCAN_SHARE)
