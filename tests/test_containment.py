@@ -759,3 +759,182 @@ def test_core_verification_that_never_answers_meets_the_deadline(tmp_path, text_
     assert "CORE did not finish within 30s" in result.stderr and "core:" not in result.stdout
     assert "centered:" in result.stdout  # the scoring finished: the stall was met where it was put
     assert time.time() - t0 < 30 + 30 and list(scratch.iterdir()) == []
+
+
+# --- 13. what a worker leaves in its private folder ---------------------------------------------
+
+LEAVE_BEHIND_CODE = '''
+import os
+import stat
+import sys
+
+
+def leave_behind(home):
+    """Nesting deeper than the interpreter's recursion limit and paths longer than PATH_MAX, many
+    files, folders and files without permissions, a FIFO, a socket, a hard link, symbolic links
+    out of the folder."""
+    os.chdir(home)
+    os.mkdir("deep")
+    os.chdir("deep")
+    for _ in range(1100):  # 1,100 levels of 40 characters: a path of 45,000
+        os.mkdir("n" * 40)
+        os.chdir("n" * 40)
+    open("bottom", "w").write("x" * 100_000)
+    os.chdir(home)
+    os.mkdir("many")
+    for i in range(3000):
+        open(f"many/{i}", "w").close()
+    os.mkdir("odd")
+    open("odd/file", "w").write("x")
+    os.mkfifo("odd/fifo")
+    os.mknod("odd/socket", 0o600 | stat.S_IFSOCK)
+    os.link("odd/file", "odd/hard_link")
+    os.symlink("/etc", "odd/to_etc")
+    os.symlink(os.path.dirname(home), "to_parent")
+    os.close(os.open("odd/no_permissions", os.O_CREAT | os.O_WRONLY, 0o000))
+    os.mkdir("odd/closed", 0o000)
+    os.mkdir("write_only", 0o300)
+    open("write_only/hidden", "w").write("x")
+    os.mkdir("write_only/closed", 0o000)
+    print("LEFT BEHIND", file=sys.stderr, flush=True)
+'''
+LEAVE_BEHIND = LEAVE_BEHIND_CODE + '''
+
+leave_behind(os.environ["HOME"])  # the worker's private folder
+
+
+class Cheat(Model):
+    pass
+'''
+
+
+def test_whatever_a_worker_leaves_is_removed(tmp_path, checkpoint, text_dataset, honest_runs):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    cheat = participant(tmp_path, "leave", LEAVE_BEHIND)
+    result, lines = evaluate(cheat, checkpoint, text_dataset, env={"TMPDIR": str(scratch)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[worker] LEFT BEHIND" in result.stderr and "[worker.2] LEFT BEHIND" in result.stderr
+    assert "Traceback" not in result.stderr and lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+    assert list(scratch.iterdir()) == []  # both workers' folders and the submission's copy are gone
+    assert (Path("/etc") / "passwd").exists()  # the links were removed, not followed
+    # The control: the same folder, removed as the harness removed it before (shutil.rmtree with
+    # ignore_errors), raises past ignore_errors and leaves it behind.
+    home = tmp_path / "control"
+    home.mkdir()
+    import shutil
+    import subprocess
+    subprocess.run([sys.executable, "-c", LEAVE_BEHIND_CODE + f"leave_behind({str(home)!r})\n"], check=True)
+    with pytest.raises(RecursionError):
+        shutil.rmtree(home, ignore_errors=True)
+    assert home.exists()
+    from harness.worker.limits import remove_tree
+    remove_tree(home)
+    assert not home.exists()
+
+
+# --- 14. what a worker may consume --------------------------------------------------------------
+
+CONSUME = '''
+import mmap
+import os
+import sys
+import threading
+import time
+
+HOW = os.environ["SUBMISSION_HOW"]
+MIB = 1 << 20
+HELD = []
+
+
+def consume():
+    chunk = b"x" * (16 * MIB)
+    if HOW == "disk":  # gigabytes into the private folder
+        with open(os.path.join(os.environ["HOME"], "flood"), "wb") as f:
+            for _ in range(int(os.environ["SUBMISSION_MB"]) // 16):
+                f.write(chunk)
+                f.flush()
+    elif HOW == "deleted_files":  # the same, in files it deleted and holds open, each under the cap
+        for i in range(1024 // 32):
+            held = open(os.path.join(os.environ["HOME"], f"hidden{i}"), "wb")
+            os.unlink(held.name)
+            held.write(chunk + chunk)
+            held.flush()
+            HELD.append(held)
+    elif HOW == "processes":
+        for _ in range(2000):
+            if os.fork() == 0:
+                time.sleep(3600)
+                os._exit(0)
+    elif HOW == "threads":
+        for _ in range(2000):
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    elif HOW == "memory":
+        held = [bytearray(chunk) for _ in range(4096 // 16)]
+    elif HOW == "shared_memory":  # anonymous shared pages: not the process's anonymous memory
+        held = mmap.mmap(-1, 4096 * MIB)
+        for offset in range(0, len(held), 4096):
+            held[offset] = 1
+    elif HOW == "memory_file":  # a memfd it never maps
+        fd = os.memfd_create("held")
+        for _ in range(4096 // 16):
+            os.write(fd, chunk)
+    print("CONSUMED", HOW, file=sys.stderr, flush=True)
+    time.sleep(30)  # what it consumed stays consumed
+
+
+consume()
+
+
+class Cheat(Model):
+    pass
+'''
+CAPS = {"disk": ("FRONTIER_WORKER_DISK_MB", "64", "into its private folder, up to its cap of 64 MiB"),
+        "deleted_files": ("FRONTIER_WORKER_DISK_MB", "64", "into its private folder, up to its cap of 64 MiB"),
+        "processes": ("FRONTIER_WORKER_TASKS", "64", "processes and threads, more than its cap of 64"),
+        "threads": ("FRONTIER_WORKER_TASKS", "64", "processes and threads, more than its cap of 64"),
+        "memory": ("FRONTIER_WORKER_MEMORY_MB", "1024", "of memory, more than its cap of 1024 MiB"),
+        "shared_memory": ("FRONTIER_WORKER_MEMORY_MB", "1024", "of memory, more than its cap of 1024 MiB"),
+        "memory_file": ("FRONTIER_WORKER_MEMORY_MB", "1024", "of memory, more than its cap of 1024 MiB")}
+
+
+def group_members(marker: str) -> list[int]:
+    """Processes whose environment holds marker (what a worker started, if any survived)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("how", sorted(CAPS))
+def test_a_worker_past_a_cap_is_stopped_with_one_clear_error(tmp_path, checkpoint, text_dataset, how):
+    """The caps lowered for the test: a 1 GiB flood against 64 MiB, 2,000 processes or threads
+    against 64, 4 GiB of memory against 1 GiB. The run stops in seconds, leaves nothing."""
+    variable, cap, message = CAPS[how]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    marker = f"frontier-consume-{os.getpid()}-{how}"
+    t0 = time.time()
+    result, lines = evaluate(participant(tmp_path, how, CONSUME), checkpoint, text_dataset,
+                             env={"SUBMISSION_HOW": how, "SUBMISSION_MB": "1024", "SUBMISSION_MARKER": marker,
+                                  variable: cap, "TMPDIR": str(scratch)})
+    assert_refused(result, lines, f"the model worker was stopped: it ")
+    assert message in result.stderr and "CONSUMED" not in result.stderr.split("error:")[-1]
+    assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
+    assert time.time() - t0 < 30  # the hostile's own sleep is 30 s: it was stopped, not waited for
+    assert list(scratch.iterdir()) == [] and group_members(marker) == []
+
+
+def test_a_worker_under_its_caps_is_measured_and_scored(tmp_path, checkpoint, text_dataset, honest_runs):
+    """The control: the same flood, 256 MiB, under the default cap, is scored, and what the worker
+    wrote is what the harness measured."""
+    result, lines = evaluate(participant(tmp_path, "disk", CONSUME.replace("time.sleep(30)", "pass")), checkpoint,
+                             text_dataset, env={"SUBMISSION_HOW": "disk", "SUBMISSION_MB": "256"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    used = [line for line in result.stderr.splitlines() if line.startswith("[worker] used at most: ")]
+    assert len(used) == 1 and 256 <= int(used[0].split("disk ")[1].split()[0]) < 300, used
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]

@@ -22,7 +22,10 @@ Containment, and where each part lives:
 - Logits come back through memfds the harness created, sized and sealed (no shrinking, no
   growing), so the worker cannot make the harness's mapping fault.
 - The harness is a child subreaper: whatever the worker starts, however detached, is re-parented
-  to the harness when its parent dies, and close() kills and reaps all of it before returning."""
+  to the harness when its parent dies, and close() kills and reaps all of it before returning,
+  then removes the worker's folder whatever it holds (limits.remove_tree).
+- What the worker may consume (memory, its folder's size and entries, processes and threads) is
+  capped (limits.py): past a cap a watchdog kills it, and the worker's one error says which cap."""
 from __future__ import annotations
 
 import collections
@@ -45,7 +48,7 @@ import numpy as np
 from harness.common import EvalRefused
 from harness.config import REPO_DIR
 from harness.submission import Submission
-from harness.worker import sandbox, wire
+from harness.worker import limits, sandbox, wire
 from harness.worker.wire import LOGIT_DTYPES, WorkerError
 
 STDERR_TAIL_LINES = 40  # worker output kept for error messages
@@ -53,7 +56,7 @@ MAX_LINE_CHARS = 4000  # a longer output line is cut into pieces of this size
 MAX_FORWARDED_BYTES = 8 << 20  # worker output forwarded to stderr; the rest is read and dropped
 MAX_MESSAGE_CHARS = 4000  # of an error text the worker reports
 EXIT_GRACE_SECONDS = 2.0  # after "exit", how long the worker may take before it is killed
-REAP_SECONDS = 10.0  # how long close() keeps killing what the worker left behind
+REAP_SECONDS = 10.0  # how long close() keeps killing what the worker left behind, once nothing more dies
 MAX_SEQ_LEN = 1 << 24  # a scorer's max_seq_len above this is not a length
 DEVICE_NAME = re.compile(r"(cpu|cuda|neuron|mps|xla)(:[0-9]{1,4})?")
 SANDBOX_PART = re.compile(r"capabilities|seccomp|landlock-[0-9]{1,2}")
@@ -139,16 +142,7 @@ def copy_kit(dest: Path) -> None:
 
 def _parents() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-                parents[int(entry)] = int(stat[stat.rindex(b")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    return parents
+    return {pid: ppid for pid, (ppid, _, _) in limits.process_table().items()}
 
 
 def _descendants(root: int, parents: dict[int, int]) -> set[int]:
@@ -215,7 +209,8 @@ class Worker:
     loading (checked: a model's compute dtype, a scorer's max_seq_len, the device). `protected`
     are the files the harness scores: if the sandbox would let the worker read one, the run is
     not official (`not_official_because`). Everything must finish before `deadline`
-    (time.monotonic()); past it, WorkerTimeout."""
+    (time.monotonic()); past it, WorkerTimeout. What it consumes is capped (`limits`, from
+    limits.worker_limits()); `watchdog.peak` holds the most of each it used."""
 
     def __init__(self, mode: str, submission: Submission, device, *, deadline: float, label: str = "worker",
                  local_rank: int = 0, tokenizer=None, protected=(), use_sandbox: bool = True):
@@ -224,7 +219,10 @@ class Worker:
         self.mode, self.label, self.deadline = mode, label, deadline
         self.not_official_because: list[str] = []
         self.sandbox_applied: list[str] = []
+        self._cap_reported = False
         self.start_seconds = self.sandbox_seconds = 0.0  # interpreter start and imports; the sandbox alone
+        self.limits = limits.worker_limits()
+        self.watchdog = None
         t_start = time.monotonic()
         self.private_dir = Path(tempfile.mkdtemp(prefix="frontier-worker-"))
         (self.private_dir / "tmp").mkdir()
@@ -249,6 +247,8 @@ class Worker:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
         child_sock.close()
+        self.watchdog = limits.Watchdog(self.proc.pid, self.private_dir, self.limits, self._kill_group)
+        self.watchdog.start()
         self._pumps = [threading.Thread(target=self._pump, args=(stream,), daemon=True)
                        for stream in (self.proc.stdout, self.proc.stderr)]
         for t in self._pumps:
@@ -279,7 +279,7 @@ class Worker:
         rules += [(p, "execute") for p in sys_path
                   if os.path.isabs(p) and not os.path.realpath(p).startswith(private) and os.path.isdir(p)]
         reply = self.request({"cmd": "sandbox", "off": not use_sandbox, "abi": abi, "seccomp": arch,
-                              "rules": [list(r) for r in rules]})[0]
+                              "rules": [list(r) for r in rules], "rlimits": limits.worker_rlimits(self.limits)})[0]
         applied = reply.get("applied")
         if not isinstance(applied, list) or not all(isinstance(a, str) and SANDBOX_PART.fullmatch(a) for a in applied):
             raise WorkerError("the worker's sandbox reply is malformed")
@@ -327,11 +327,17 @@ class Worker:
 
     def _failure(self, what: str) -> WorkerError:
         code = self._exit_code(2.0)
+        if self.watchdog.reason:
+            return self._over_cap()
         for t in self._pumps:
             t.join(timeout=1)
         tail = "\n    ".join(list(self.stderr_tail)[-12:]) or "(no output)"
         state = f"exited with code {code}" if code is not None else "stopped answering"
         return WorkerError(f"the {self.mode} worker {state} while {what}. Its last output:\n    {tail}")
+
+    def _over_cap(self) -> WorkerError:
+        self._cap_reported = True
+        return WorkerError(f"the {self.mode} worker was stopped: it {self.watchdog.reason}; no score")
 
     def send(self, header: dict, payload=b"", fds=()) -> None:
         try:
@@ -346,6 +352,8 @@ class Worker:
             header, payload = wire.recv(self.sock, self.deadline, max_payload)
         except ConnectionError:
             raise self._failure(what) from None
+        if ("refused" in header or "error" in header) and self.watchdog.look_now():
+            raise self._over_cap()  # the error (a write that failed, a thread not started) is the cap's
         if "refused" in header:
             raise EvalRefused(quoted(header["refused"]))
         if "error" in header:
@@ -357,8 +365,12 @@ class Worker:
         return self.receive(f"answering {header.get('cmd')!r}", max_payload)
 
     def close(self) -> None:
-        """Stop the worker and everything it started (killed and reaped), and remove its folder."""
+        """Stop the worker and everything it started (killed and reaped), and remove its folder.
+        WorkerError if the folder cannot be removed, or if the worker went past a cap that no
+        error has reported yet (after its last answer, say)."""
         try:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             if self._exit_code(0) is None:
                 try:
                     wire.send(self.sock, {"cmd": "exit"})
@@ -370,7 +382,26 @@ class Worker:
             self.sock.close()
             for t in self._pumps:
                 t.join(timeout=2)
-            shutil.rmtree(self.private_dir, ignore_errors=True)
+            self._remove_folder()
+        if self.watchdog is not None:
+            print(f"[{self.label}] used at most: {limits.describe(self.watchdog.peak, self.limits)}", file=sys.stderr)
+        if self.watchdog is not None and self.watchdog.reason and not self._cap_reported:
+            raise self._over_cap()
+
+    def _remove_folder(self) -> None:
+        try:
+            limits.remove_tree(self.private_dir)
+        except OSError as e:
+            raise WorkerError(f"could not remove the worker's folder {self.private_dir}: {e.strerror} "
+                              f"({quoted(e.filename or '', 200)})") from None
+
+    def _kill_group(self) -> None:
+        """SIGKILL the worker's process group. Its leader is reaped only in close(), so until then
+        the group's id cannot name another process's group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def _kill_everything(self) -> None:
         """SIGKILL the worker's process group, which holds everything it started: the sandbox refuses
@@ -379,16 +410,13 @@ class Worker:
         the group's id cannot have been reused. Then, for a worker without the sandbox, whatever was
         re-parented to this process (a child subreaper) is killed too, until none is left."""
         for _ in range(2):  # the second catches a member that was in fork() during the first
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                break
+            self._kill_group()
             self._exit_code(1.0)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # an unkillable (uninterruptible) worker: say so, do not hang
             print(f"[{self.label}] warning: the worker did not die within 10 s of SIGKILL", file=sys.stderr)
-        me, give_up, clean = os.getpid(), time.monotonic() + REAP_SECONDS, 0
+        me, give_up, clean, left = os.getpid(), time.monotonic() + REAP_SECONDS, 0, None
         while clean < 3:
             parents = _parents()
             orphans = {pid for pid, ppid in parents.items() if ppid == me} - self._children_before
@@ -398,6 +426,8 @@ class Worker:
                 _kill(orphans | set().union(*(_descendants(p, parents) for p in orphans)))
             else:
                 clean += 1
+            if left is None or len(orphans) < left:  # killed processes still dying: wait while they do
+                left, give_up = len(orphans), time.monotonic() + REAP_SECONDS
             if time.monotonic() > give_up:
                 print(f"[{self.label}] warning: processes the worker started were still alive after "
                       f"{REAP_SECONDS:.0f}s", file=sys.stderr)
@@ -443,6 +473,8 @@ class ModelForward:
                 fds.append(fd)
                 self.maps.append(mapped)
                 self.outputs.append(np.ndarray(shape, dtype=np.float32, buffer=mapped))
+            worker.watchdog.shared_bytes = self.SLOTS * size  # the harness's memory, not the worker's
+            worker.watchdog.shared_files = {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in fds}
             worker.request({"cmd": "buffers", "shape": list(shape)}, fds=fds)
         finally:
             for fd in fds:

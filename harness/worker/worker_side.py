@@ -5,8 +5,9 @@ trusts nothing this process does once that code is loaded; no module of the harn
 The order is what makes the sandbox hold. The harness's requests arrive in this order:
 
     hello     report sys.path (the harness turns it into read rules)
-    sandbox   apply the OS sandbox (sandbox.py): from here on, this process and all it
-              starts can read only what the rules name and write only the private folder
+    sandbox   set the rlimits the harness names (limits.py), and apply the OS sandbox
+              (sandbox.py): from here on, this process and all it starts can read only what
+              the rules name and write only the private folder
     load      import train.py (load_for_eval) or inference.py (load_scorer) from the harness's
               private copy, and load the checkpoint copy
     buffers   map the sealed shared-memory buffers the logits go into (model mode)
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.common import EvalRefused, HarnessError
-from harness.worker import sandbox, wire
+from harness.worker import limits, sandbox, wire
 
 
 def import_participant_module(path, module_name: str):
@@ -105,7 +106,9 @@ class Server:
 
     def sandbox(self, msg: dict) -> dict:
         """Apply the sandbox the harness asked for; any failure is an error (the harness then stops:
-        participant code never runs in a half-applied sandbox)."""
+        participant code never runs in a half-applied sandbox). The rlimits hold with or without
+        the sandbox."""
+        limits.apply_rlimits(msg["rlimits"])
         if msg.get("off"):
             return {"applied": []}
         applied = []
