@@ -277,14 +277,16 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
 # --- the plan of an official run ------------------------------------------------------------------
 
 def test_an_official_run_cuts_every_position():
-    """20,480 rows of 1,024 + 1 tokens (the official count and context): 1,280 probes, 1,120 of them
-    twins whose cuts cover all 1,023 positions, each twin's text after the cut taken from other rows."""
+    """20,480 rows of 1,024 + 1 tokens (the official count and context): 3,414 probes, 3,201 of them
+    twins whose cuts cover all 1,023 positions, each twin's text after the cut taken from other rows;
+    together they catch reading ahead at 0.14 % of the positions in 99 % of runs."""
     rng = np.random.default_rng(0)
     rows = rng.integers(len(prepare.SPECIAL_TOKENS), 8192, size=(20480, 1025)).astype(np.int32)
     scorer = M._Scorer(rows, np.ones(8192, dtype=np.int64), 8, 8192 - len(prepare.SPECIAL_TOKENS), float("inf"),
                        np.random.default_rng(1))
     twins = [p for p in scorer.probes if p.cut < 1024]
-    assert len(scorer.probes) == 1280 and len(twins) == 1120
+    assert len(scorer.probes) == 3414 and len(twins) == 3201 == M.official_twins()
+    assert 0.0014 < M.read_ahead_caught(len(twins)) < 0.00145 and (1 - 0.00144) ** 3201 < 0.01
     assert {p.cut for p in twins} == set(range(1, 1024))
     for p in twins[:20]:
         assert np.array_equal(p.inputs[:p.cut], rows[p.row, :p.cut]) and p.inputs[p.cut] != rows[p.row, p.cut]
