@@ -8,7 +8,11 @@ rest on. For the kit's own model in fp32 and in bf16, on this machine's device:
 - CORE: inference.py's answers (the prefix-cached scorer) against the trusted path's log-probs
   (train.py's model, batches of 4 padded to multiples of 64) on imitations of the 22 tasks: the
   largest per-token and per-mean difference, and the trusted margin of every decision the two
-  disagree on.
+  disagree on;
+- CORE's bias test (harness/core/verify.py, refuse_bias): every imitated example's lean towards
+  its gold answer (inference.py's against the trusted path's), how many lean each way beyond
+  BIAS_FLOOR_NATS, and the share of official-sized samples (2 % of each real task's examples, at
+  least 8, drawn from these examples under --bias-runs secrets) that the sign tests would refuse.
 
     python benchmarks/check_tolerances.py --checkpoint out/final.pt [--secrets 10] [--examples 4]
 
@@ -16,6 +20,7 @@ Uses the active dataset's public_val for the val_bpb rows. Without --checkpoint,
 with random weights everywhere is used (its near-uniform outputs make a weak test: use a trained one)."""
 import argparse
 import contextlib
+import math
 import os
 import random
 import shutil
@@ -34,38 +39,39 @@ from harness import checks  # noqa: E402
 from harness.common import CoreError  # noqa: E402
 from harness.core import verify  # noqa: E402  (a module: core_differences lifts its tolerances)
 from harness.core.bundle import Task  # noqa: E402
-from harness.core.prompts import build_request  # noqa: E402
-from harness.core.scoring import Sample  # noqa: E402
+from harness.core.prompts import Request, build_request  # noqa: E402
+from harness.core.scoring import VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, Sample, region_mean_losses  # noqa: E402
 from harness import metric as M  # noqa: E402
 from harness.submission import copy_submission  # noqa: E402
 from core_throughput import CORE_TASKS, imitation  # noqa: E402
 from random_model import save_random_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FP32_OVERRIDE = '''
+# each dtype forced, whatever the machine's default (a CPU without bf16 matmuls runs fp32)
+COMPUTE_DTYPE = {"fp32": "None", "bf16": "torch.bfloat16"}
+DTYPE_OVERRIDE = '''
 
 _kit_load_for_eval = load_for_eval
 
 
 def load_for_eval(checkpoint_path, device):
     model = _kit_load_for_eval(checkpoint_path, device)
-    model.compute_dtype = None  # fp32
+    model.compute_dtype = {dtype}
     return model
 '''
 
 
 def load(checkpoint: str, dtype: str):
     model = T.load_for_eval(checkpoint, torch.device("cpu"))
-    if dtype == "fp32":
-        model.compute_dtype = None
+    model.compute_dtype = torch.bfloat16 if dtype == "bf16" else None
     return model
 
 
 def kit_copy(dtype: str) -> Path:
-    """The kit's train.py (fp32: with load_for_eval forcing fp32) and kernels/, in a temp folder."""
+    """The kit's train.py (with load_for_eval forcing the dtype) and kernels/, in a temp folder."""
     folder = Path(tempfile.mkdtemp(prefix="tolerances-"))
     source = (REPO / "train.py").read_text()
-    (folder / "train.py").write_text(source + (FP32_OVERRIDE if dtype == "fp32" else ""))
+    (folder / "train.py").write_text(source + DTYPE_OVERRIDE.format(dtype=COMPUTE_DTYPE[dtype]))
     shutil.copytree(REPO / "kernels", folder / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
     return folder / "train.py"
 
@@ -103,8 +109,9 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
     scorer = inference.Scorer(model, torch.device("cpu"))
     rng = random.Random(0)
     per_token = per_mean = greedy_gap = 0.0
-    flips, decisions = [], 0
+    flips, decisions, leans = [], 0, {}
     for label, task_type, shots, delimiter, _, context_words, choices, choice_words in CORE_TASKS:
+        leans[label] = []
         task = Task(label, task_type, shots, delimiter, "", 25.0)
         data = imitation(task_type, context_words, choices, choice_words, max(examples, shots + 1) + shots, rng)
         requests = [build_request(task, data, i, tokenizer, scorer.max_seq_len) for i in range(examples)]
@@ -134,10 +141,53 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
                 greedy_gap = max(greedy_gap, found["greedy"])
                 if found["flipped"]:
                     flips.append(found["margin_flipped"])
+                found["lean_preferred"] = lean_towards_preferred(sample, trusted)
+                leans[label].append(found)
             except CoreError as e:
                 print(f"  REFUSED ({dtype}, {label}): {e}")
     return {"per_token": per_token, "per_mean": per_mean, "greedy_gap": greedy_gap, "decisions": decisions,
-            "flips": sorted(flips)}
+            "flips": sorted(flips), "leans": leans}
+
+
+def lean_towards_preferred(sample: Sample, trusted: list) -> float:
+    """The lean towards the choice the trusted path prefers, where it has one (else 0): on real
+    tasks a model prefers the gold answer more often than not, so an inference.py that sharpened
+    (or flattened) the model's own preferences would lean towards (or away from) the gold answer
+    there; on the imitations, whose gold answers are drawn at random, this shows whether it does."""
+    r = sample.request
+    if sample.task.task_type == "language_modeling":
+        return 0.0
+    ours = region_mean_losses(r, [(-lp[:, 0].double().numpy(), None) for lp, _ in trusted])
+    theirs = region_mean_losses(r, sample.claimed)
+    preferred = Request(r.sequences, r.starts, r.ends, ours.index(min(ours)))
+    return verify.lean_towards_gold(Sample(sample.task, preferred, sample.claimed, sample.index), ours, theirs,
+                                    trusted)
+
+
+def official_sample_sizes() -> dict[str, int]:
+    """Examples verified per task in an official run: 2 % of each task's, at least 8."""
+    return {label: min(n, max(VERIFY_MIN_EXAMPLES, math.ceil(VERIFY_FRACTION * n)))
+            for label, _, _, _, n, *_ in CORE_TASKS}
+
+
+def bias_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int = 0) -> tuple[int, dict]:
+    """How many of `runs` official-sized samples (each task's drawn with replacement from its
+    measured examples) refuse_bias refuses, and the counts of all the examples together."""
+    everything = {kind: [0, 0] for kind in verify.BIAS_COUNTS}
+    for found in (f for task in leans.values() for f in task):
+        verify.count_lean(everything, found)
+    rng, refused = random.Random(seed), 0
+    sizes = official_sample_sizes()
+    for _ in range(runs):
+        bias = {kind: [0, 0] for kind in verify.BIAS_COUNTS}
+        for label, pool in leans.items():
+            for found in (rng.choice(pool) for _ in range(sizes[label]) if pool):
+                verify.count_lean(bias, found)
+        try:
+            verify.refuse_bias(bias)
+        except CoreError:
+            refused += 1
+    return refused, everything
 
 
 TOLERANCES = {"loss": verify.VERIFY_LOSS_TOLERANCE, "greedy": verify.VERIFY_GREEDY_TOLERANCE,
@@ -151,6 +201,7 @@ def main():
     parser.add_argument("--examples", type=int, default=4, help="imitated examples per CORE task")
     parser.add_argument("--max-tokens", type=int, default=2**16)
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--bias-runs", type=int, default=10000, help="official-sized samples the bias test is run on")
     args = parser.parse_args()
     checkpoint = args.checkpoint or save_random_checkpoint("cpu", random_projections=True)
     tokenizer = prepare.ensure_tokenizer()
@@ -166,6 +217,19 @@ def main():
         print(f"CORE, inference.py vs trusted path: per token {c['per_token']:.3g}, per mean {c['per_mean']:.3g}, "
               f"greedy gap {c['greedy_gap']:.3g} nats; {len(c['flips'])} of {c['decisions']} decisions differ, "
               f"trusted margins {c['flips'][:8]} (harness: {TOLERANCES})")
+        found = [f for task in c["leans"].values() for f in task]
+        lean = np.array([f["lean"] for f in found])
+        refused, counts = bias_false_refusals(c["leans"], args.bias_runs)
+        print(f"CORE bias: {len(found)} examples, lean towards gold: mean {lean.mean():+.3g}, largest |lean| "
+              f"{np.abs(lean).max():.3g} nats; beyond {verify.BIAS_FLOOR_NATS:g}: " +
+              ", ".join(f"{kind} {t} towards / {a} away (p {verify.sign_test_p(t, a):.2g})"
+                        for kind, (t, a) in counts.items()))
+        preferred = [f["lean_preferred"] for f in found if abs(f["lean_preferred"]) > verify.BIAS_FLOOR_NATS]
+        towards = sum(x > 0 for x in preferred)
+        print(f"CORE lean towards the trusted path's own choice (choice tasks): {towards} towards / "
+              f"{len(preferred) - towards} away (p {verify.sign_test_p(towards, len(preferred) - towards):.2g})")
+        print(f"CORE bias test on {args.bias_runs} official-sized samples ({sum(official_sample_sizes().values())} "
+              f"examples each): refused {refused} (refused below p {verify.BIAS_ALPHA:g} per count)")
 
 
 if __name__ == "__main__":

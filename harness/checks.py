@@ -33,6 +33,7 @@ class CheckLog:
     worst: dict = field(default_factory=lambda: {"causality": 0.0, "batch_content": 0.0, "replay": 0.0,
                                                  "batch_size": 0.0})
     probes: int = 0
+    twins: int = 0  # of the probes, those cut at a position (the rest run their row whole)
     cut_positions: set = field(default_factory=set)
 
 

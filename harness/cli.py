@@ -140,7 +140,9 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     print(f"causality_passed:        {result['causality_passed']}")
     print(f"causality_max_abs_diff:  {result['causality_max_abs_diff']:.3g}")
     print(f"batch_size_max_abs_diff: {result['batch_size_max_abs_diff']:.3g}")
-    print(f"probes:                  {result['probes']} ({result['cut_positions']} cut positions)")
+    print(f"probes:                  {result['probes']} ({result['twins']} twins at {result['cut_positions']} cut "
+          "positions)")
+    print(f"probe_coverage:          {result['probe_coverage']}")
     print(f"compute_dtype:           {result['compute_dtype']}")
     print(f"world_size:              {result['world_size']}")
     print(f"shard:                   {result['shards'][0]}")

@@ -55,11 +55,49 @@ from harness.tokenizer import Tokenizer, get_token_bytes
 from harness.worker.harness_side import ModelForward, Worker
 from harness.worker.wire import WorkerTimeout, logits_array
 
-PROBE_FRACTION = 1 / 16  # probes per scored row: the official 20,480 rows get 1,280
-MIN_PROBES = 16  # at least this many probes, however few rows are scored
-REPEAT_SHARE = 1 / 8  # of the probes, this share repeats the whole row (batch independence); the rest are
-                      # twins cut at a position (official run: 1,120 twins, so each of the 1,023 positions is cut)
+# Probes per scored row: the official 20,480 rows get 3,414, of which 3,201 twins. They catch a model
+# that reads ahead at >= 0.14 % of the positions in 99 % of runs (read_ahead_caught), and reading ahead
+# at 0.14 % gains at most 0.42 % of val_bpb, even at the positions of the highest loss (measured with
+# benchmarks/probe_coverage.py: a CPU-preset model trained 2 minutes, 2^19 tokens of its public_val;
+# 0.5 % needs 2,694 twins there, and 1,413 where the model picks the positions by its own entropy).
+PROBE_FRACTION = 1 / 6
+MIN_PROBES = 16  # at least this many probes, however few rows are scored (a small run says how little they catch)
+REPEAT_SHARE = 1 / 16  # of the probes, this share repeats the whole row (batch independence); the rest are
+                       # twins cut at a position (official run: every one of the 1,023 positions is cut 3 or 4 times)
 SECRET_TOKEN_IDS = 8  # token ids compared at every position, besides the row's own target
+CAUGHT_IN = 0.99  # probe coverage is stated as the smallest read-ahead share caught in this share of runs
+
+
+def probe_counts(rows: int) -> tuple[int, int]:
+    """(probes, twins) planned for a rank that scores `rows` rows."""
+    count = max(MIN_PROBES, math.ceil(rows * PROBE_FRACTION))
+    return count, count - int(count * REPEAT_SHARE)
+
+
+def read_ahead_caught(twins: int) -> float:
+    """The smallest share f of positions at which a model may read ahead and still be caught in
+    CAUGHT_IN of runs by `twins` twins. A twin cut at c tests position c - 1 of a secret row, the
+    one whose next token it changes, so it misses a model that reads ahead at a share f of the
+    positions with probability 1 - f, and every twin misses it with at most (1 - f)^twins (drawn
+    without replacement, they miss together less often than independent draws would)."""
+    return 1.0 - (1.0 - CAUGHT_IN) ** (1.0 / twins) if twins > 0 else 1.0
+
+
+def official_twins() -> int:
+    """The twins of an official run: EVAL_TOKENS at EVAL_SEQ_LEN, the rows on one rank or shared out
+    (each rank plans its share of the probes, and the shares add up to the same count)."""
+    return probe_counts(EVAL_TOKENS // EVAL_SEQ_LEN)[1]
+
+
+def probe_coverage(twins: int) -> str:
+    """What `twins` twins catch, in words; a run with fewer than an official run's says so."""
+    said = f"reading ahead at >= {100 * read_ahead_caught(twins):.2g} % of positions is caught in " \
+           f"{100 * CAUGHT_IN:.0f} % of runs ({twins} twins)"
+    official = official_twins()
+    if twins < official:
+        said += f"; fewer twins than an official run's {official}, which catch >= " \
+                f"{100 * read_ahead_caught(official):.2g} %"
+    return said
 
 
 @dataclass
@@ -181,8 +219,8 @@ class _Scorer:
         cycle of cut positions, so a run with as many twins as positions cuts at every one), and
         which other text follows each cut."""
         R = len(self.rows)
-        count = max(MIN_PROBES, math.ceil(R * PROBE_FRACTION))
-        twins = count - int(count * REPEAT_SHARE) if len(self.cuts) else 0
+        count, twins = probe_counts(R)
+        twins = twins if len(self.cuts) else 0
         probes = []
         for k, row in enumerate(self.rng.choice(R, size=count, replace=count > R).tolist()):
             cut = int(self.cuts[k % len(self.cuts)]) if k < twins else self.T
@@ -230,7 +268,7 @@ class _Scorer:
         targets = np.stack(own)  # a twin is compared at its original row's targets
         ids = np.concatenate([targets[..., None].astype(np.int64),
                               np.broadcast_to(self.secret_ids, (*targets.shape, SECRET_TOKEN_IDS))], axis=-1)
-        lp, _ = checked_log_probs(logits, ids)
+        lp = self._log_probs(logits, batch, ids)
         same = self.tol["same_shape"]
         if batch.purpose == "replay":
             kept_batch, kept = self.kept
@@ -244,7 +282,7 @@ class _Scorer:
         for i, row in enumerate(batch.rows):
             nbytes = self.token_bytes[targets[i]]
             counted = torch.from_numpy(nbytes > 0)
-            self.nats[row] = -float(lp[i, :, 0][counted].double().sum())
+            self.nats[row] = -float(lp[i][:, 0][counted].double().sum())
             self.bytes[row] = int(nbytes.sum())
             self.tokens[row] = int(counted.sum())
             if row in self.needed:
@@ -253,7 +291,20 @@ class _Scorer:
             if probe.cut > 0:  # a filler (cut 0) only pads a short batch of the first pass
                 self._check_probe(probe, lp[i])
         if batch.keep:
-            self.kept = (batch, lp.clone())
+            self.kept = (batch, [x.clone() for x in lp])
+
+    def _log_probs(self, logits: np.ndarray, batch: Batch, ids: np.ndarray) -> list[torch.Tensor]:
+        """Per row of the batch, its log-probs at its compare ids [n, 1 + K] where the checks use
+        them: a scored row, a repeat and every row of a replayed or lone batch in full; a twin
+        before its cut (nothing after the cut is compared, so a twin costs the harness only its
+        prefix); a filler nowhere. Logits that are never used are never read."""
+        if batch.purpose != "score":
+            return list(checked_log_probs(logits, ids)[0])
+        upto = [self.T] * len(batch.rows) + [p.cut for p in batch.probes]
+        if all(n == self.T for n in upto):
+            return list(checked_log_probs(logits, ids)[0])
+        return [checked_log_probs(logits[i, :n], ids[i, :n])[0] if n else torch.empty(0, ids.shape[-1])
+                for i, n in enumerate(upto)]
 
     def _check_probe(self, probe: Probe, lp: torch.Tensor) -> None:
         whole = probe.cut == self.T
@@ -263,6 +314,7 @@ class _Scorer:
                           else f"row {probe.row} cut at position {probe.cut}")
         self.checks.probes += 1
         if not whole:
+            self.checks.twins += 1
             self.checks.cut_positions.add(probe.cut)
 
     # --- the passes -----------------------------------------------------------------------------
@@ -380,6 +432,7 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
         status = "timeout"
     outcome = {"status": status, "message": message, "rows": mine, "nats": scorer.nats, "bytes": scorer.bytes,
                "tokens": scorer.tokens, "worst": scorer.checks.worst, "probes": scorer.checks.probes,
+               "twins": scorer.checks.twins,
                "cuts": sorted(scorer.checks.cut_positions), "pass_seconds": scorer.pass_seconds}
     everyone = _gather_outcome(outcome, world)
     refused = [o["message"] for o in everyone if o["status"] == "refused"]
@@ -396,6 +449,7 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
     over = over or time.monotonic() > deadline
     bpb = total_nats / (math.log(2) * total_bytes) if total_bytes else float("nan")
     worst = {k: max(o["worst"][k] for o in everyone) for k in everyone[0]["worst"]}
+    twins = sum(o["twins"] for o in everyone)
     dtype = scorer.compute_dtype
     return {"val_bpb": float("nan") if over else bpb, "partial_val_bpb": bpb if over else None,
             "total_nats": total_nats, "total_bytes": total_bytes, "tokens": int(tokens.sum()), "rows": len(rows),
@@ -403,7 +457,8 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
             "eval_timeout": timeout_seconds, "eval_over_timeout": over, "world_size": world,
             "causality_passed": True, "causality_max_abs_diff": max(worst["causality"], worst["batch_content"]),
             "batch_size_max_abs_diff": worst["batch_size"], "replay_max_abs_diff": worst["replay"],
-            "probes": sum(o["probes"] for o in everyone),
+            "probes": sum(o["probes"] for o in everyone), "twins": twins,
+            "read_ahead_caught": read_ahead_caught(twins), "probe_coverage": probe_coverage(twins),
             "cut_positions": len(set().union(*(o["cuts"] for o in everyone))),
             "pass_seconds": [max(o["pass_seconds"][k] for o in everyone) for k in range(len(scorer.pass_seconds))],
             "tolerances": tolerances_for(dtype), "compute_dtype": dtype or "unknown"}
@@ -522,4 +577,6 @@ def causality_check(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, 
     return {"passed": message == "ok", "max_abs_diff": max(worst["causality"], worst["batch_content"], worst["replay"]),
             "causal_max_abs_diff": worst["causality"], "batch_content_max_abs_diff": worst["batch_content"],
             "batch_size_max_abs_diff": worst["batch_size"], "replay_max_abs_diff": worst["replay"],
-            "probes": scorer.checks.probes, "tolerances": tolerances_for(_model_dtype(model)), "message": message}
+            "probes": scorer.checks.probes, "twins": scorer.checks.twins,
+            "read_ahead_caught": read_ahead_caught(scorer.checks.twins),
+            "tolerances": tolerances_for(_model_dtype(model)), "message": message}

@@ -53,15 +53,46 @@ def make_examples(task_type: str, n: int, right: int, seed: int) -> list[dict]:
     return examples
 
 
-def make_bundle(root: Path, tasks=TASKS) -> Path:
-    """Write the bundle under root/eval_bundle and return that folder."""
+# Tasks whose choices differ in one word and then share a long tail: a model's mean losses over
+# them lie close together, so any model has near-ties to flip (make_near_tie_examples).
+NEAR_TIE_TASKS = [
+    ("mc_near", "multiple_choice", 0, " ", 25.0, 10, 0),
+    ("mc_near_answer", "multiple_choice", 1, "\nAnswer: ", 25.0, 10, 0),
+    ("schema_near", "schema", 0, " ", 50.0, 10, 0),
+    ("lm_near", "language_modeling", 0, " ", 0.0, 6, 0),
+]
+
+
+def make_near_tie_examples(task_type: str, n: int, right: int, seed: int) -> list[dict]:
+    """Examples whose choices (context options) differ only in their first word, then share 15
+    words; the gold answer is drawn at random (`right` is not used)."""
+    rng = random.Random(seed)
+    examples = []
+    for i in range(n):
+        tail = _words(rng, 15)
+        if task_type == "multiple_choice":
+            words = rng.sample(WORDS, 4)
+            examples.append({"query": f"Question {i}: {_words(rng, 5)}?", "choices": [f"{w} {tail}" for w in words],
+                             "gold": rng.randrange(4)})
+        elif task_type == "schema":
+            words = rng.sample(WORDS, 2)
+            examples.append({"context_options": [f"Context {i} {w}" for w in words], "continuation": tail,
+                             "gold": rng.randrange(2)})
+        else:
+            examples.append({"context": f"Passage {i}: {_words(rng, 6)}", "continuation": _words(rng, 2)})
+    return examples
+
+
+def make_bundle(root: Path, tasks=TASKS, make=make_examples) -> Path:
+    """Write the bundle under root/eval_bundle and return that folder: each task's examples from
+    make(task_type, examples, right, seed)."""
     bundle = root / "eval_bundle"
     (bundle / "eval_data" / "synthetic").mkdir(parents=True, exist_ok=True)
     lines = ["icl_tasks:"]
     for k, (label, task_type, shots, delim, rb, n, right) in enumerate(tasks):
         uri = f"synthetic/{label}.jsonl"
         with open(bundle / "eval_data" / uri, "w", encoding="utf-8") as f:
-            for ex in make_examples(task_type, n, right, seed=k):
+            for ex in make(task_type, n, right, seed=k):
                 f.write(json.dumps(ex) + "\n")
         lines += [f"- label: {label}", f"  dataset_uri: {uri}", f"  num_fewshot: [{shots}]",
                   f"  icl_task_type: {task_type}"]

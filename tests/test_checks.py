@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import prepare
-from core_bundle import make_bundle
+from core_bundle import NEAR_TIE_TASKS, make_bundle, make_near_tie_examples
 from harness.common import CoreError
 from harness.core.bundle import bundle_from_dir, load_examples, load_tasks
 from harness.core.prompts import build_request, shuffled_and_capped
 from harness.core.scoring import evaluate_core
-from harness.core.verify import VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, VERIFY_LOSS_TOLERANCE, verify_samples
+from harness.core.verify import VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples
 from harness import metric as M
 from helpers import REPO, run_prepare
 from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
@@ -123,20 +123,28 @@ def test_a_model_that_remembers_is_caught_by_probes_it_never_saw_the_original_of
 
 # --- CORE: decisions from the trusted path ------------------------------------------------------
 
-NUDGE = '''
+TOWARDS_GOLD = '''
 
-GOLD, WRONG = {gold!r}, {wrong!r}
+GOLD, WRONG, SHIFT = {gold!r}, {wrong!r}, {shift!r}
 
 
-class Nudged(Scorer):
-    """Scores honestly, then moves every gold choice's losses down and every wrong choice's up by
-    just under the loss tolerance: each mean within it of the truth."""
+class TowardsGold(Scorer):
+    """Scores honestly, then moves every loss of a gold answer's sequence down by SHIFT and every
+    loss of a wrong one's up by SHIFT, and claims a gold continuation's token as its greedy
+    prediction wherever that token is within SHIFT of the best: every answer within the tolerances."""
 
+    @torch.no_grad()
     def score(self, sequences):
         out = []
         for seq, (losses, greedy) in zip(sequences, super().score(sequences)):
             key = hash(tuple(seq))
-            out.append((losses - {nudge} if key in GOLD else losses + {nudge} if key in WRONG else losses, greedy))
+            if key in GOLD:
+                lp = torch.log_softmax(self.model(torch.tensor([seq], device=self.device))[0, :-1].float(), dim=-1)
+                target = torch.tensor(seq[1:], device=lp.device)
+                near = lp.gather(-1, target[:, None])[:, 0] >= lp.max(dim=-1).values - SHIFT
+                out.append((losses - SHIFT, torch.where(near, target, greedy.to(lp.device)).cpu()))
+            else:
+                out.append((losses + SHIFT if key in WRONG else losses, greedy))
         return out
 
 
@@ -145,51 +153,167 @@ _load_scorer = load_scorer
 
 def load_scorer(path, device):
     s = _load_scorer(path, device)
-    return Nudged(s.model, s.device)
+    return TowardsGold(s.model, s.device)
 '''
 
 
 def gold_and_wrong(bundle_dir: Path, tokenizer, max_len) -> tuple[set, set]:
-    """hash(tuple(tokens)) of every gold and every wrong choice's sequence in the bundle."""
+    """hash(tuple(tokens)) of every gold answer's sequence in the bundle (a language-modelling
+    continuation is gold), and of every wrong choice's."""
     bundle = bundle_from_dir(bundle_dir)
     gold, wrong = set(), set()
     for task in load_tasks(bundle):
-        if task.task_type == "language_modeling":
-            continue
         data = shuffled_and_capped(load_examples(bundle, task), -1)
         for i in range(len(data)):
             r = build_request(task, data, i, tokenizer, max_len)
             for j, seq in enumerate(r.sequences):
-                (gold if j == r.gold else wrong).add(hash(tuple(seq)))
+                (gold if r.gold is None or j == r.gold else wrong).add(hash(tuple(seq)))
     return gold, wrong
 
 
-def test_core_nudged_within_the_loss_tolerance_is_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch):
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
-    bundle = make_bundle(tmp_path)
-    tok = prepare.ensure_tokenizer()
+def towards_gold(folder: Path, bundle_dir: Path, tokenizer, max_len: int, shift: float) -> Path:
+    """The kit's inference.py with TowardsGold in place of its scorer."""
+    gold, wrong = gold_and_wrong(bundle_dir, tokenizer, max_len)
+    forged = folder / f"towards_gold_{shift:g}.py"
+    forged.write_text((REPO / "inference.py").read_text() + TOWARDS_GOLD.format(gold=gold, wrong=wrong, shift=shift))
+    return forged
+
+
+def core_in_process(scorer, bundle_dir: Path, tokenizer) -> tuple[dict, list]:
+    """CORE through a scorer in this process, every example drawn for verification."""
+    bundle = bundle_from_dir(bundle_dir)
+    tasks = load_tasks(bundle)
+    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
+    return evaluate_core(scorer.score, tokenizer, tasks, examples, scorer.max_seq_len, log=lambda m: None,
+                         verify_fraction=1.0)
+
+
+class _Forward(M.LocalForward):
+    def __init__(self, model, batch_size: int, max_len: int):
+        super().__init__(model, "cpu", prepare.TOKENIZER_VOCAB_SIZE)
+        self.batch_size, self.max_len = batch_size, max_len
+
+
+def verify_in_process(model, samples: list, tokenizer) -> dict:
+    """verify_samples through the model in this process, under a fresh secret: the same checks and
+    arithmetic as the command line's two workers (refuse_bias is the caller's, as it is the
+    command's)."""
+    import contextlib
+    longest = max(len(s) for sample in samples for s in sample.request.sequences)
+    max_len = -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET
+
+    def open_pass(k):
+        return contextlib.nullcontext((_Forward(model, VERIFY_BATCH_ROWS, max_len), M._model_dtype(model)))
+
+    return verify_samples(samples, open_pass, tokenizer, random.SystemRandom())
+
+
+LEAN_REFUSAL = "lean towards the gold answers beyond what rounding explains"
+SHIFTS = (0.005, 0.02, 0.045)  # nats; 0.045 is the issue's; twice each is within the decision allowance 0.1
+
+
+def kit_model(checkpoint, dtype=None):
     sys.path.insert(0, str(REPO))
     import train as T
-    max_len = int(T.load_for_eval(str(tiny_checkpoint), torch.device("cpu")).cos.shape[1])
-    gold, wrong = gold_and_wrong(bundle, tok, max_len)
-    forged = tmp_path / "nudged.py"
-    nudge = VERIFY_LOSS_TOLERANCE - 0.005
-    forged.write_text((REPO / "inference.py").read_text() + NUDGE.format(gold=gold, wrong=wrong, nudge=nudge))
+    model = T.load_for_eval(str(checkpoint), torch.device("cpu"))
+    model.compute_dtype = dtype
+    return model
+
+
+def test_core_moved_towards_gold_within_the_tolerances_is_refused(tmp_path, text_dataset, tiny_checkpoint,
+                                                                   monkeypatch):
+    """The forger of the issue's table (every answer moved towards the gold one by a shift), on a
+    bundle whose choices lie close together, at shifts up to the one that keeps every flipped
+    decision within the allowance: unverified it pays at each (near-ties flip to gold), every answer
+    and decision passes the per-example checks, and the lean refuses it. The honest scorer on the
+    same examples: no lean, no refusal."""
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    import inference
+    model, tok = kit_model(tiny_checkpoint), prepare.ensure_tokenizer()
+    bundle = make_bundle(tmp_path, NEAR_TIE_TASKS, make_near_tie_examples)
+    honest, samples = core_in_process(inference.Scorer(model, torch.device("cpu")), bundle, tok)
+    found = verify_in_process(model, samples, tok)
+    refuse_bias(found["bias"])
+    assert found["bias"] == {"answers": [0, 0], "decisions": [0, 0]}
+    for k, shift in enumerate(SHIFTS):
+        forged = load_participant_module(str(towards_gold(tmp_path, bundle, tok, int(model.cos.shape[1]), shift)),
+                                         f"towards_gold_{k}")
+        report, samples = core_in_process(forged.TowardsGold(model, torch.device("cpu")), bundle, tok)
+        assert report["core"] > honest["core"] + 0.1, shift  # unverified, it pays
+        found = verify_in_process(model, samples, tok)  # within every tolerance and allowance
+        towards, away = found["bias"]["answers"]
+        assert away == 0 and towards == 30 and found["bias"]["decisions"][0] > 0 == found["bias"]["decisions"][1]
+        with pytest.raises(CoreError, match=LEAN_REFUSAL):
+            refuse_bias(found["bias"])
+
+
+def test_core_moved_towards_gold_is_refused_on_the_command_line(tmp_path, text_dataset, tiny_checkpoint,
+                                                                 monkeypatch):
+    """The issue's row through eval-core: 0.045 nats towards every gold answer. Unverified, it scores
+    higher than the honest scorer; verified, it is refused for its lean, with nothing else wrong."""
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    bundle = make_bundle(tmp_path, NEAR_TIE_TASKS, make_near_tie_examples)
+    max_len = int(kit_model(tiny_checkpoint).cos.shape[1])
+    forged = towards_gold(tmp_path, bundle, prepare.ensure_tokenizer(), max_len, 0.045)
     base = ["eval-core", "--checkpoint", str(tiny_checkpoint), "--train-py", str(REPO / "train.py"),
             "--bundle-dir", str(bundle)]
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
-    reports = {}
-    for name, inference_py in (("honest", REPO / "inference.py"), ("nudged", forged)):
+    core = {}
+    for name, inference_py in (("honest", REPO / "inference.py"), ("forged", forged)):
         report = tmp_path / f"{name}.json"
         result = run_prepare(base + ["--inference-py", str(inference_py), "--verify-fraction", "0", "--report",
                                      str(report)], env)
         assert result.returncode == 0, result.stderr[-2000:]
-        reports[name] = json.loads(report.read_text())["core"]
-    assert reports["nudged"] > reports["honest"]  # the nudge flips decisions: unverified, it pays
-    result = run_prepare(base + ["--inference-py", str(forged), "--verify-fraction", "1"], env)
+        core[name] = json.loads(report.read_text())["core"]
+    assert core["forged"] > core["honest"] + 0.1  # the shift flips near-ties to gold: unverified, it pays
+    result = run_prepare(base + ["--inference-py", str(forged)], env)
     assert result.returncode == 1 and "core:" not in result.stdout, result.stdout
-    assert "decision differs from the trusted model's" in result.stderr and "example " in result.stderr
-    assert "allowance" in result.stderr
+    assert LEAN_REFUSAL in result.stderr and "must score the trained model" in result.stderr
+    assert "Traceback" not in result.stderr and "differs from the trusted" not in result.stderr
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_lean_of_every_rank_is_tested_together(tmp_path, text_dataset, tiny_checkpoint,
+                                                                  monkeypatch):
+    """Two ranks, each verifying its own share: the honest scorer passes and the summary counts both
+    ranks' examples; the forger at 0.045 nats is refused, by one error, on the counts of both."""
+    import os
+    import subprocess
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    bundle = make_bundle(tmp_path, NEAR_TIE_TASKS, make_near_tie_examples)
+    forged = towards_gold(tmp_path, bundle, prepare.ensure_tokenizer(), int(kit_model(tiny_checkpoint).cos.shape[1]),
+                          0.045)
+    env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset))
+    runs = {}
+    for name, inference_py in (("honest", REPO / "inference.py"), ("forged", forged)):
+        runs[name] = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                     str(REPO / "prepare.py"), "eval-core", "--inference-py", str(inference_py),
+                                     "--checkpoint", str(tiny_checkpoint), "--train-py", str(REPO / "train.py"),
+                                     "--bundle-dir", str(bundle), "--report", str(tmp_path / f"{name}.json")],
+                                    cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    honest, forged_run = runs["honest"], runs["forged"]
+    assert honest.returncode == 0, honest.stderr[-3000:]
+    verify = json.loads((tmp_path / "honest.json").read_text())["verify"]
+    assert verify["examples"] == 10 + 10 + 10 + 6 and verify["bias"] == {"answers": [0, 0], "decisions": [0, 0]}
+    assert honest.stdout.count("verify_lean:") == 1
+    assert forged_run.returncode != 0 and "core:" not in forged_run.stdout
+    assert LEAN_REFUSAL in forged_run.stderr and "of the 30 verified examples whose answers lean" in forged_run.stderr
+
+
+def test_the_sign_test_refuses_only_what_fair_coins_would_not_do():
+    """refuse_bias: 20 leans towards the gold answers and none away has p = 2^-20 < 1e-6, refused; 19
+    is not; balanced counts never are, however many; the message names the count and p."""
+    assert sign_test_p(0, 0) == 1.0 and sign_test_p(20, 0) == 2.0 ** -20 and sign_test_p(0, 20) == 1.0
+    assert sign_test_p(3, 1) == 5 / 16 and 0.5 < sign_test_p(1000, 1000) < 0.51 and sign_test_p(2000, 0) == 0.0
+    for counts in ({"answers": [19, 0], "decisions": [0, 0]}, {"answers": [500, 500], "decisions": [19, 0]},
+                   {"answers": [0, 40], "decisions": [1, 30]}):
+        refuse_bias(counts)
+    for counts, kind in (({"answers": [20, 0], "decisions": [0, 0]}, "verified examples whose answers lean"),
+                         ({"answers": [580, 420], "decisions": [0, 0]}, "1000 verified examples whose answers"),
+                         ({"answers": [3, 3], "decisions": [25, 1]}, "26 verified examples whose decision differs")):
+        with pytest.raises(CoreError, match=LEAN_REFUSAL) as e:
+            refuse_bias(counts)
+        assert kind in str(e.value) and "p = " in str(e.value)
 
 
 # --- no false refusals --------------------------------------------------------------------------
@@ -217,50 +341,42 @@ def kit_with_dtype(folder: Path, dtype: str) -> Path:
     return folder
 
 
-class _Forward(M.LocalForward):
-    def __init__(self, model, batch_size: int, max_len: int):
-        super().__init__(model, "cpu", prepare.TOKENIZER_VOCAB_SIZE)
-        self.batch_size, self.max_len = batch_size, max_len
-
-
 SECRETS = 12  # per check and dtype; benchmarks/check_tolerances.py measures the margins with a trained model
+
+
+def secret_sample(samples: list, rng: random.Random, per_task: int = 8) -> list:
+    """A secret draw of per_task examples of each task (all of a smaller one), as eval-core draws its
+    verified sample (VERIFY_MIN_EXAMPLES)."""
+    tasks: dict[str, list] = {}
+    for sample in samples:
+        tasks.setdefault(sample.task.label, []).append(sample)
+    return [s for pool in tasks.values() for s in rng.sample(pool, min(per_task, len(pool)))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch, dtype):
     """The kit's honest checkpoint through every check of eval and eval-core, with 12 secrets each in
-    process (the same checks and arithmetic as the command line) and once more through each command."""
+    process (the same checks and arithmetic as the command line; for CORE half of them on each
+    bundle, the near-ties' included, each secret verifying its own sample and testing its lean),
+    and once more through each command."""
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
-    sys.path.insert(0, str(REPO))
     import inference
-    import train as T
-    model = T.load_for_eval(str(tiny_checkpoint), torch.device("cpu"))
-    model.compute_dtype = DTYPES[dtype]
-    tok = prepare.ensure_tokenizer()
+    model, tok = kit_model(tiny_checkpoint, DTYPES[dtype]), prepare.ensure_tokenizer()
     refusals = []
     for _ in range(SECRETS):
         check = prepare.causality_check(model, tok, 8, 128, "cpu", max_rows=24)
         if not check["passed"]:
             refusals.append(check["message"])
-    bundle = bundle_from_dir(make_bundle(tmp_path))
-    tasks = load_tasks(bundle)
-    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
-    scorer = inference.Scorer(model, torch.device("cpu"))
-    _, samples = evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None,
-                               verify_fraction=1.0)
-    longest = max(len(s) for sample in samples for s in sample.request.sequences)
-    max_len = -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET
-
-    def open_pass(k):
-        import contextlib
-        return contextlib.nullcontext((_Forward(model, VERIFY_BATCH_ROWS, max_len), M._model_dtype(model)))
-
-    for _ in range(SECRETS):
-        try:
-            verify_samples(samples, open_pass, tok, random.SystemRandom())
-        except CoreError as e:
-            refusals.append(str(e))
+    rng = random.SystemRandom()
+    near = make_bundle(tmp_path / "near", NEAR_TIE_TASKS, make_near_tie_examples)
+    for bundle in (make_bundle(tmp_path), near):
+        _, samples = core_in_process(inference.Scorer(model, torch.device("cpu")), bundle, tok)
+        for _ in range(SECRETS // 2):
+            try:
+                refuse_bias(verify_in_process(model, secret_sample(samples, rng), tok)["bias"])
+            except CoreError as e:
+                refusals.append(str(e))
     assert refusals == []
     kit = kit_with_dtype(tmp_path / "kit", dtype)
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
@@ -268,23 +384,26 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
                           "--seq-len", "128", "--max-tokens", str(128 * 24)], env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"compute_dtype:           {'float32' if dtype == 'fp32' else 'bfloat16'}" in result.stdout
-    result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
-                          str(tiny_checkpoint), "--bundle-dir", str(make_bundle(tmp_path / "b")),
-                          "--verify-fraction", "1"], env)
-    assert result.returncode == 0, result.stderr[-2000:]
+    for bundle in (make_bundle(tmp_path / "b"), near):
+        result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
+                              str(tiny_checkpoint), "--bundle-dir", str(bundle), "--verify-fraction", "1"], env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "verify_lean:         answers " in result.stdout
 
 
 # --- the plan of an official run ------------------------------------------------------------------
 
 def test_an_official_run_cuts_every_position():
-    """20,480 rows of 1,024 + 1 tokens (the official count and context): 1,280 probes, 1,120 of them
-    twins whose cuts cover all 1,023 positions, each twin's text after the cut taken from other rows."""
+    """20,480 rows of 1,024 + 1 tokens (the official count and context): 3,414 probes, 3,201 of them
+    twins whose cuts cover all 1,023 positions, each twin's text after the cut taken from other rows;
+    together they catch reading ahead at 0.14 % of the positions in 99 % of runs."""
     rng = np.random.default_rng(0)
     rows = rng.integers(len(prepare.SPECIAL_TOKENS), 8192, size=(20480, 1025)).astype(np.int32)
     scorer = M._Scorer(rows, np.ones(8192, dtype=np.int64), 8, 8192 - len(prepare.SPECIAL_TOKENS), float("inf"),
                        np.random.default_rng(1))
     twins = [p for p in scorer.probes if p.cut < 1024]
-    assert len(scorer.probes) == 1280 and len(twins) == 1120
+    assert len(scorer.probes) == 3414 and len(twins) == 3201 == M.official_twins()
+    assert 0.0014 < M.read_ahead_caught(len(twins)) < 0.00145 and (1 - 0.00144) ** 3201 < 0.01
     assert {p.cut for p in twins} == set(range(1, 1024))
     for p in twins[:20]:
         assert np.array_equal(p.inputs[:p.cut], rows[p.row, :p.cut]) and p.inputs[p.cut] != rows[p.row, p.cut]

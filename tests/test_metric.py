@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import prepare
+from harness import metric as M
 from helpers import (BatchMixModel, BatchSizeModel, BigramModel, NaNModel, NoisyModel, PeekAfterWarmup,
                      PeekExceptAtFixedCuts, PeekModel, PeekOnRealText, PeekWithHugeSpecialLogit, SubclassModel,
                      UniformModel, WrongShapeModel, documents_with_token_count, random_documents, shipped_tokenizer,
@@ -139,6 +140,62 @@ def test_probes_cut_every_position_and_leave_the_number_alone(tok, long_shard):
     assert a["probes"] >= 50 and a["cut_positions"] == 15  # every position 1..15 was a cut point
     assert a["val_bpb"] == b["val_bpb"]  # the secret probes differ between runs; the number does not
     assert a["causality_max_abs_diff"] == 0.0 and a["batch_size_max_abs_diff"] == 0.0
+
+
+class PeekAtShare(torch.nn.Module):
+    """Reads the next token at a share of the positions only, picked from what it has seen (its
+    token, the one before and the position): honest everywhere else."""
+
+    def __init__(self, vocab: int, share: float):
+        super().__init__()
+        self.vocab, self.share = vocab, share
+
+    def picked(self, idx):
+        prev = torch.roll(idx, 1, dims=1)
+        prev[:, 0] = 0
+        pos = torch.arange(idx.shape[1])
+        return (idx * 7919 + prev * 104729 + pos * 15485863) % 10007 < self.share * 10007
+
+    def forward(self, idx):
+        logits = torch.zeros(*idx.shape, self.vocab)
+        nxt = torch.roll(idx, -1, dims=1)
+        return logits.scatter_(2, nxt.unsqueeze(-1), 10.0 * self.picked(idx).unsqueeze(-1).float())
+
+
+def test_the_stated_coverage_is_what_the_twins_catch():
+    """200 rows of 16 positions get 32 twins: reading ahead at >= 13.4 % of the positions is caught
+    in 99 % of runs. A model that reads ahead at 20 % of them is caught under each of 20 secrets
+    (the bound says it escapes one run in 1,300); one that reads ahead at 1 % escapes most of them
+    (72 % of runs by the bound), so the figure is no more than what the twins catch."""
+    import contextlib
+    rows = np.random.default_rng(7).integers(9, 64, size=(200, 17)).astype(np.int32)
+    caught = {}
+    for share in (0.2, 0.01):
+        model = PeekAtShare(64, share)
+        measured = float(model.picked(torch.from_numpy(rows[:, :15].astype(np.int64))).float().mean())
+        assert abs(measured - share) < 0.3 * share + 0.005, measured
+        caught[share] = 0
+        for seed in range(20):
+            scorer = M._Scorer(rows, np.ones(64, dtype=np.int64), 8, 55, float("inf"), np.random.default_rng(seed))
+            assert sum(p.cut < 16 for p in scorer.probes) == 32
+            try:
+                scorer.run(lambda k: contextlib.nullcontext((M.LocalForward(model, "cpu", 64), "float32")))
+            except prepare.EvalRefused as e:
+                assert "not causal" in str(e)
+                caught[share] += 1
+    assert 0.134 < M.read_ahead_caught(32) < 0.135
+    assert caught[0.2] == 20 and caught[0.01] <= 10, caught
+
+
+def test_a_run_says_what_its_probes_catch():
+    """The coverage in words: a run with an official run's twins states it plainly; a smaller one
+    also says what an official run would catch."""
+    official = M.official_twins()
+    assert M.probe_coverage(official) == (f"reading ahead at >= 0.14 % of positions is caught in 99 % of runs "
+                                          f"({official} twins)")
+    small = M.probe_coverage(26)
+    assert small.startswith("reading ahead at >= 16 % of positions is caught in 99 % of runs (26 twins); ")
+    assert small.endswith(f"fewer twins than an official run's {official}, which catch >= 0.14 %")
 
 
 @pytest.fixture

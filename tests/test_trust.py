@@ -184,6 +184,9 @@ class Cheat(Model):
     assert half.returncode == 0, half.stderr
     assert lines_half["compute_dtype"] == "bfloat16" and abs(float(lines_half["val_bpb"]) - float(honest["val_bpb"])) < 0.01
     assert honest["official"].startswith("False") and "--seq-len 64" in honest["official"]
+    # a small run says how little its twins catch, and what an official run's would
+    assert honest["probes"].endswith("(26 twins at 26 cut positions)") and honest["probe_coverage"].startswith(
+        "reading ahead at >= 16 % of positions is caught in 99 % of runs (26 twins); fewer twins than an official")
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from harness.common import CoreError, EvalRefused, atomic_write_json, get_dist_i
 from harness.core.bundle import EVAL_BUNDLE_URL, Bundle, Task, ensure_bundle, load_examples, load_tasks
 from harness.core.prompts import shuffled_and_capped
 from harness.core.scoring import EXAMPLES_PER_CALL, VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, evaluate_core
-from harness.core.verify import (DECISION_ALLOWANCE_NATS, VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET,
-                                 verify_samples)
+from harness.core.verify import (BIAS_ALPHA, BIAS_COUNTS, DECISION_ALLOWANCE_NATS, VERIFY_BATCH_ROWS,
+                                 VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples)
 from harness.submission import copy_submission
 from harness.tokenizer import ensure_tokenizer
 from harness.worker.harness_side import ModelForward, Worker, score_sequences
@@ -150,6 +150,10 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
             verification[key] = sum(v[key] for v in everyone)
         for key in ("max_abs_loss_diff", "max_greedy_gap", "max_causal_diff", "max_flipped_margin"):
             verification[key] = max(v[key] for v in everyone)
+        verification["bias"] = {kind: [sum(v["bias"][kind][i] for v in everyone) for i in range(2)]
+                                for kind in BIAS_COUNTS}
+    if verification is not None:
+        refuse_bias(verification["bias"])  # every rank holds the same counts, so every rank gives the same verdict
     if rank != 0:
         return 0
     reasons = official_reasons(bundle, tasks, all_tasks, args.max_per_task, args.verify_fraction) + \
@@ -178,6 +182,9 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
         print(f"decisions_flipped:   {verification['decisions_flipped_within_allowance']} (within "
               f"{DECISION_ALLOWANCE_NATS['choice']:g} nats of a tie on the trusted path, "
               f"{DECISION_ALLOWANCE_NATS['exact_match']:g} for an exact match)")
+        leans = "; ".join(f"{kind} {towards} towards, {away} away (p {sign_test_p(towards, away):.2g})"
+                          for kind, (towards, away) in verification["bias"].items())
+        print(f"verify_lean:         {leans} (gold answers; refused below p {BIAS_ALPHA:g})")
     print(f"bundle_sha256:       {bundle.sha256 or 'none (a local folder)'}")
     print(f"report:              {report_path}")
     return 0

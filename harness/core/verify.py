@@ -3,6 +3,7 @@ trusted path (train.py's load_for_eval in two model workers, log-probs computed 
 logits), with twins cut at secret points; any disagreement beyond a tolerance refuses the run."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -30,6 +31,16 @@ VERIFY_GREEDY_TOLERANCE = 0.25
 # more. Either side of a tie may move, so twice the measured difference, times 2.5, rounded up; a
 # choice hinges on mean losses (2 x 0.0187), an exact match on single tokens (2 x 0.0442).
 DECISION_ALLOWANCE_NATS = {"choice": 0.1, "exact_match": 0.25}
+# Bias. Honest differences between inference.py and the trusted path are rounding: they lean towards
+# an example's gold answer as often as away from it. A forger who moves its answers towards the gold
+# ones by less than the tolerances leans towards them on every example it moves. So every sampled
+# example's lean is counted (how much further inference.py's gold answer wins than the trusted
+# path's: lean_towards_gold), and so is every decision the two disagree on, and the run is refused
+# when either count leans towards the gold answers more than fair coins would, but for a chance of
+# BIAS_ALPHA (a one-sided sign test: refuse_bias). A lean within BIAS_FLOOR_NATS of 0 counts for
+# neither side: no decision that is not that close to a tie hinges on it.
+BIAS_FLOOR_NATS = 1e-3
+BIAS_ALPHA = 1e-6  # per count and run: the most an honest run is refused by either sign test
 VERIFY_BATCH_ROWS = 4  # rows per forward of the trusted path
 VERIFY_LENGTH_BUCKET = 64  # the trusted path pads each forward to a multiple of this length
 VERIFY_SECRET_IDS = 8  # token ids compared at every position of a twin, besides the sequence's own
@@ -139,7 +150,74 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
                             f"nats (inference.py says {verdict}; allowance {allowance:g}). The inference path must "
                             "score the trained model")
         worst["margin_flipped"], worst["flipped"] = margin, True
+    worst["lean"] = lean_towards_gold(sample, ours, theirs, lps)
+    worst["decision_lean"] = int(claimed_correct) - int(trusted_correct)  # +1: only inference.py is right
     return worst
+
+
+def lean_towards_gold(sample: "Sample", ours: list[float], theirs: list[float],
+                      lps: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """How much further inference.py's answers favour the example's gold answer than the trusted
+    path's do (nats; > 0: towards it). A choice: the margin by which the gold choice's mean loss
+    beats its best rival, inference.py's minus the trusted one (rounding moves it either way). An
+    exact match: over the positions where inference.py's greedy prediction and the trusted argmax
+    disagree on whether the continuation's token is the best, how far the trusted path finds the
+    claimed prediction behind its best, counted for the continuation where inference.py claims its
+    token and against it where inference.py claims another (a language-modelling task's losses
+    decide nothing, so they do not count)."""
+    r = sample.request
+    if sample.task.task_type != "language_modeling":
+        rivals = [j for j in range(len(ours)) if j != r.gold]
+        if not rivals:
+            return 0.0
+        claimed_margin = min(theirs[j] for j in rivals) - theirs[r.gold]
+        trusted_margin = min(ours[j] for j in rivals) - ours[r.gold]
+        return claimed_margin - trusted_margin
+    (lp, top2), s, e = lps[0], r.starts[0], r.ends[0]
+    cont, best, claimed = lp[s - 1:e - 1, 0].double(), top2[s - 1:e - 1, 0].double(), lp[s - 1:e - 1, 1].double()
+    claims_continuation = torch.as_tensor(np.asarray(sample.claimed[0][1])[s - 1:e - 1] ==
+                                          np.asarray(r.sequences[0][s:e]))
+    continuation_is_best = cont >= best
+    towards = (best - cont)[claims_continuation & ~continuation_is_best].sum()
+    away = (best - claimed)[~claims_continuation & continuation_is_best].sum()
+    return float(towards - away)
+
+
+def sign_test_p(towards: int, away: int) -> float:
+    """The chance that at least `towards` of towards + away fair coins come up heads: how likely so
+    many leans towards the gold answers are when each is as likely to lean either way (exact)."""
+    n = towards + away
+    return sum(math.comb(n, k) for k in range(towards, n + 1)) / 2 ** n
+
+
+BIAS_COUNTS = {
+    "answers": "verified examples whose answers lean towards the gold answer by more than {floor:g} nats beyond the "
+               "trusted path's (a choice's mean loss, an exact match's greedy predictions)",
+    "decisions": "verified examples whose decision differs from the trusted path's",
+}
+
+
+def refuse_bias(bias: dict) -> None:
+    """CoreError when inference.py leans towards the gold answers beyond what rounding explains:
+    bias[kind] = [towards, away] for each of BIAS_COUNTS (the verified examples of every rank
+    together), refused where the sign test's p < BIAS_ALPHA."""
+    for kind, what in BIAS_COUNTS.items():
+        towards, away = bias[kind]
+        p = sign_test_p(towards, away)
+        if not p >= BIAS_ALPHA:
+            raise CoreError(f"inference.py's answers lean towards the gold answers beyond what rounding explains: of "
+                            f"the {towards + away} {what.format(floor=BIAS_FLOOR_NATS)}, {towards} favour the gold "
+                            f"answer and {away} the trusted path's (honest differences lean either way: p = {p:.2g} "
+                            f"that fair coins lean this far, refused below {BIAS_ALPHA:g}). The inference path must "
+                            "score the trained model")
+
+
+def count_lean(bias: dict, found: dict) -> None:
+    """Add one example's leans (trusted_decision_check's) to the counts refuse_bias tests."""
+    if abs(found["lean"]) > BIAS_FLOOR_NATS:
+        bias["answers"][found["lean"] < 0] += 1
+    if found["decision_lean"]:
+        bias["decisions"][found["decision_lean"] < 0] += 1
 
 
 def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Random) -> dict:
@@ -151,8 +229,9 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
     length, padding and batch size, in a worker that never saw an original. Then: each shadow row
     agrees with its original (before the cut, for a twin) within the dtype's same-shape tolerance,
     and each example's answers and decision agree with inference.py's (trusted_decision_check).
-    CoreError on the first disagreement. open_pass(k) is a context manager giving (forward,
-    compute dtype) for pass k."""
+    CoreError on the first disagreement. Returns what was compared, and the leans towards the gold
+    answers counted (bias) for refuse_bias, which the caller runs on every rank's counts together.
+    open_pass(k) is a context manager giving (forward, compute dtype) for pass k."""
     vocab, pad = tokenizer.get_vocab_size(), tokenizer.get_bos_token_id()
     secret_ids = np.array(rng.sample(range(vocab - len(SPECIAL_TOKENS)), VERIFY_SECRET_IDS), dtype=np.int64)
     originals: dict[tuple[int, int], TrustedRow] = {}
@@ -220,14 +299,16 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
             raise CoreError(f"the trained model fails the contract: {e}") from None
     worst = {"loss": 0.0, "greedy": 0.0, "margin_flipped": 0.0}
     decisions_flipped = 0
+    bias = {kind: [0, 0] for kind in BIAS_COUNTS}  # [towards the gold answers, away from them]
     for k, sample in enumerate(samples):
         found = trusted_decision_check(sample, [trusted[k, j] for j in range(len(sample.request.sequences))], tol)
         decisions_flipped += found.pop("flipped")
         worst = {key: max(worst[key], found[key]) for key in worst}
+        count_lean(bias, found)
     return {"examples": len(samples), "sequences": len(originals), "twins": len(twinned),
             "shadow_rows": len(shadows), "decisions_flipped_within_allowance": decisions_flipped,
             "max_abs_loss_diff": worst["loss"], "max_greedy_gap": worst["greedy"],
             "max_causal_diff": max(checks.worst["causality"], checks.worst["batch_content"]),
-            "max_flipped_margin": worst["margin_flipped"], "compute_dtype": dtypes[0] or "unknown",
+            "max_flipped_margin": worst["margin_flipped"], "compute_dtype": dtypes[0] or "unknown", "bias": bias,
             "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "greedy": VERIFY_GREEDY_TOLERANCE,
                            "same_shape": tol["same_shape"], "decision": DECISION_ALLOWANCE_NATS}}
