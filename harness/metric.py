@@ -297,8 +297,9 @@ class _Scorer:
         """Per row of the batch, its log-probs at its compare ids [n, 1 + K] where the checks use
         them: a scored row, a repeat and every row of a replayed or lone batch in full; a twin
         before its cut (nothing after the cut is compared, so a twin costs the harness only its
-        prefix); a filler nowhere. Logits that are never used are never read."""
-        if batch.purpose != "score":
+        prefix); a filler nowhere, unless its batch is kept (the replay compares every row of it in
+        full). Logits that are never used are never read."""
+        if batch.purpose != "score" or batch.keep:
             return list(checked_log_probs(logits, ids)[0])
         upto = [self.T] * len(batch.rows) + [p.cut for p in batch.probes]
         if all(n == self.T for n in upto):

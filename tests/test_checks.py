@@ -422,6 +422,20 @@ class RecordingForward:
         return self.pending.pop(0)
 
 
+@pytest.mark.parametrize("row_count", [3, 5])
+def test_a_replayed_batch_with_fillers_is_compared_in_full(row_count):
+    """Fewer rows than a batch (3 of 4): the replayed first-pass batch is the short one, fillers and
+    all, and its every row (a filler's too) is compared in full in the second pass; with a full batch
+    to replay (5 rows), the replay is a full one."""
+    import contextlib
+    rows = np.random.default_rng(2).integers(9, 64, size=(row_count, 17)).astype(np.int32)
+    scorer = M._Scorer(rows, np.ones(64, dtype=np.int64), 4, 55, float("inf"), np.random.default_rng(3))
+    scorer.run(lambda k: contextlib.nullcontext((RecordingForward(64), "float32")))
+    kept_batch, kept = scorer.kept
+    assert len(kept) == 4 and all(lp.shape == (16, 1 + M.SECRET_TOKEN_IDS) for lp in kept)
+    assert len(kept_batch.rows) == min(row_count, 4) and scorer.checks.probes >= 1
+
+
 def test_every_row_is_scored_before_any_probe_runs():
     """The first pass runs nothing but the rows (each once, in order); the second nothing but probes,
     a replay of a first-pass batch and a lone row: no probe runs before, or beside, its original."""
