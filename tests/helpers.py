@@ -73,16 +73,28 @@ def run_prepare(args: list[str], env_extra: dict | None = None, cwd: Path = REPO
                           text=True, timeout=timeout)
 
 
-def setup_in_process(args: list[str], env_extra: dict, monkeypatch, capsys) -> subprocess.CompletedProcess:
-    """`python prepare.py setup ARGS` run in this process (its exit code and output as run_prepare returns
-    them): for what is about setup's checks and messages, not about the process boundary."""
+def prepare_in_process(args: list[str], env_extra: dict, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """`python prepare.py ARGS` run in this process (its exit code and output as run_prepare returns
+    them), for what is about the commands' checks and messages, not about the process boundary: the
+    scorer's own process hygiene (undumpable, SIGTERM) stays the real process's, tested through it."""
+    import signal
     from harness import cli
     for name, value in env_extra.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "make_undumpable", lambda: None)
     capsys.readouterr()
-    code = cli.main(["setup", *args])
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        code = cli.main(list(args))
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
     out = capsys.readouterr()
-    return subprocess.CompletedProcess(["prepare.py", "setup", *args], code, out.out, out.err)
+    return subprocess.CompletedProcess(["prepare.py", *args], code, out.out, out.err)
+
+
+def setup_in_process(args: list[str], env_extra: dict, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """`python prepare.py setup ARGS` in this process (prepare_in_process)."""
+    return prepare_in_process(["setup", *args], env_extra, monkeypatch, capsys)
 
 
 # --- toy models for the metric ------------------------------------------------------------------

@@ -82,6 +82,7 @@ def test_the_real_kit_end_to_end_then_a_frozen_copy_is_discarded(kit_repo, text_
     assert git(kit_repo, "status", "--porcelain") == ""  # results, runs and the plot are ignored by git
 
 
+@pytest.mark.slow
 def test_uncommitted_changes_are_refused(kit_repo, text_dataset):
     (kit_repo / "train.py").write_text((kit_repo / "train.py").read_text() + "\n# edited\n")
     result = run_loop(kit_repo, text_dataset)

@@ -166,6 +166,7 @@ def test_a_table_of_the_old_format_is_refused(fake_kit):
 
 # --- the loop ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_one_slot_keeps_discards_crashes_and_times_out(fake_kit):
     """The loop's verdicts one after the other: the baseline and a better idea are kept, a worse one is
     discarded (the branch stays at the better), a train.py that does not parse is a crash with its error in the
@@ -202,6 +203,7 @@ def test_one_slot_keeps_discards_crashes_and_times_out(fake_kit):
     assert git(fake_kit, "status", "--porcelain") == ""
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(slots.usable_cores()) < 2, reason="two CPU slots need two cores")
 def test_two_slots_pin_judge_and_kill_a_hang(fake_kit):
     assert loop(fake_kit, *run_args("--slots", "2")).returncode == 0  # an empty queue: HEAD, the baseline
@@ -238,6 +240,7 @@ def test_two_slots_pin_judge_and_kill_a_hang(fake_kit):
     assert f"best: 1.250000 at {ideas['best']}" in status and "no loop is running" in status
 
 
+@pytest.mark.slow
 def test_the_branch_waits_for_uncommitted_work(fake_kit):
     assert loop(fake_kit, *run_args()).returncode == 0
     base = git(fake_kit, "rev-parse", "--short=7", "HEAD")
@@ -261,6 +264,7 @@ def wait_for(predicate, what, timeout=60):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(slots.usable_cores()) < 2, reason="two CPU slots need two cores")
 def test_ctrl_c_stops_every_slot_and_keeps_the_table(fake_kit):
     quick = commit(fake_kit, "quick", VAL_BPB=1.5)
@@ -290,6 +294,7 @@ def test_ctrl_c_stops_every_slot_and_keeps_the_table(fake_kit):
     assert git(fake_kit, "rev-parse", "--short=7", "HEAD") == quick
 
 
+@pytest.mark.slow
 def test_a_second_loop_is_refused_and_leftovers_are_stopped(fake_kit):
     hang = commit(fake_kit, "hang", HANG=True)
     proc = subprocess.Popen([sys.executable, "loop.py", *run_args()], cwd=fake_kit / "autoresearch",

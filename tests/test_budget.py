@@ -113,6 +113,7 @@ def test_process_start_is_before_import():
     assert time.time() - start < 24 * 3600
 
 
+@pytest.mark.slow
 def test_phase_two_budget_from_the_environment():
     code = "import prepare; print(prepare.TRAIN_TIME_BUDGET_SECONDS)"
     env = dict(os.environ, FRONTIER_PHASE="2")

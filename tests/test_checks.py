@@ -83,6 +83,7 @@ def test_huge_finite_logits_are_refused_on_every_path(tmp_path, checkpoint, text
     assert check["passed"] is False and "logits beyond" in check["message"]
 
 
+@pytest.mark.slow
 def test_large_logits_within_the_limit_are_compared_and_caught(tmp_path, checkpoint, text_dataset):
     """1e29 passes the range check; every difference stays a number, so reading ahead shows."""
     result, lines = evaluate(participant(tmp_path, "large", HUGE.format(size="1e29")), checkpoint, text_dataset)
@@ -93,6 +94,7 @@ def test_large_logits_within_the_limit_are_compared_and_caught(tmp_path, checkpo
         assert part in message, message
 
 
+@pytest.mark.slow
 def test_core_with_huge_logits_is_refused(tmp_path, text_dataset, checkpoint):
     kit = tmp_path / "kit"
     kit.mkdir()
@@ -108,6 +110,7 @@ def test_core_with_huge_logits_is_refused(tmp_path, text_dataset, checkpoint):
 
 # --- a model that remembers ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_model_that_remembers_is_caught_by_probes_it_never_saw_the_original_of(tmp_path, checkpoint, text_dataset,
                                                                                    honest, monkeypatch):
     cheat = participant(tmp_path, "remembers", REMEMBERS)
@@ -220,6 +223,7 @@ def kit_model(checkpoint, dtype=None):
     return model
 
 
+@pytest.mark.slow
 def test_core_moved_towards_gold_within_the_tolerances_is_refused(tmp_path, text_dataset, tiny_checkpoint,
                                                                    monkeypatch):
     """The forger of the issue's table (every answer moved towards the gold one by a shift), on a
@@ -247,6 +251,7 @@ def test_core_moved_towards_gold_within_the_tolerances_is_refused(tmp_path, text
             refuse_bias(found["bias"])
 
 
+@pytest.mark.slow
 def test_core_moved_towards_gold_is_refused_on_the_command_line(tmp_path, text_dataset, tiny_checkpoint,
                                                                  monkeypatch):
     """The issue's row through eval-core: 0.045 nats towards every gold answer. Unverified, it scores
@@ -359,7 +364,8 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
     """The kit's honest checkpoint through every check of eval and eval-core, with 12 secrets each in
     process (the same checks and arithmetic as the command line; for CORE half of them on each
     bundle, the near-ties' included, each secret verifying its own sample and testing its lean),
-    and once more through each command."""
+    and once more through each command (eval-core on the near-ties, where a lean is likeliest; the
+    plain bundle's command path: test_core.py's and test_inference.py's eval-core runs)."""
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     import inference
     model, tok = kit_model(tiny_checkpoint, DTYPES[dtype]), prepare.ensure_tokenizer()
@@ -384,11 +390,10 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
                           "--seq-len", "128", "--max-tokens", str(128 * 24)], env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"compute_dtype:           {'float32' if dtype == 'fp32' else 'bfloat16'}" in result.stdout
-    for bundle in (make_bundle(tmp_path / "b"), near):
-        result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
-                              str(tiny_checkpoint), "--bundle-dir", str(bundle), "--verify-fraction", "1"], env)
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert "verify_lean:         answers " in result.stdout
+    result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
+                          str(tiny_checkpoint), "--bundle-dir", str(near), "--verify-fraction", "1"], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "verify_lean:         answers " in result.stdout
 
 
 # --- the plan of an official run ------------------------------------------------------------------

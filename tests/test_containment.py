@@ -22,8 +22,11 @@ from hostile import SEQ, TOKENS, evaluate, participant
 from harness.worker import sandbox
 from harness.worker.harness_side import MAX_FORWARDED_BYTES
 
-pytestmark = pytest.mark.skipif(sandbox.sandbox_shortfall() != "", reason=f"no full sandbox on this machine: "
-                                                                         f"{sandbox.sandbox_shortfall()}")
+pytestmark = [  # every test here runs the contained evaluation end to end: all of them are slow
+    pytest.mark.slow,
+    pytest.mark.skipif(sandbox.sandbox_shortfall() != "", reason=f"no full sandbox on this machine: "
+                                                                f"{sandbox.sandbox_shortfall()}"),
+]
 
 
 def result_lines(stdout: str) -> dict:
@@ -403,25 +406,10 @@ def test_the_kernels_folder_is_copied_and_hashed(tmp_path, checkpoint, text_data
 
 # --- 8. requests that are never answered --------------------------------------------------------
 
+# A worker that stalls in its model's forward, end to end. Every read the harness makes from a
+# worker (the buffers' set-up, a forward, the load) goes through wire.recv with the run's deadline,
+# which tests/test_wire.py holds against a worker that sends nothing, part of a frame, or a drip.
 NEVER_ANSWERS = {
-    "buffers": '''
-import sys
-import time
-
-import __main__  # the worker runs as `python -m harness.worker.worker_side`
-
-
-def stall(self, msg, fds):
-    print("STALLING", file=sys.stderr, flush=True)
-    time.sleep(10**6)
-
-
-__main__.Server.buffers = stall
-
-
-class Cheat(Model):
-    pass
-''',
     "forward": '''
 import sys
 import time

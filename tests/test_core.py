@@ -21,7 +21,7 @@ from harness.core.prompts import (Request, fewshot_indices, render_language_mode
 from harness.core.scoring import centered_accuracy, evaluate_core, is_correct
 from harness import download
 from core_bundle import expected_core, make_bundle
-from helpers import REPO, run_prepare
+from helpers import REPO, prepare_in_process, run_prepare
 
 TOY = REPO / "tests" / "fixtures" / "toy_inference.py"
 
@@ -133,6 +133,7 @@ def test_toy_scorer_gets_exactly_the_expected_accuracies_and_core(tmp_path, text
         assert f"{label:<34} accuracy:" in result.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_strides_examples_over_ranks(tmp_path, text_dataset):
     bundle = make_bundle(tmp_path)
     ckpt = tmp_path / "final.pt"
@@ -174,7 +175,8 @@ def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, mo
 
 # --- clear errors -------------------------------------------------------------------------------
 
-def test_clear_errors(tmp_path, text_dataset):
+@pytest.mark.slow
+def test_clear_errors(tmp_path, text_dataset, monkeypatch, capsys):
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
     ckpt = tmp_path / "final.pt"
     ckpt.write_bytes(b"x")
@@ -206,13 +208,13 @@ def test_clear_errors(tmp_path, text_dataset):
     ]
     (tmp_path / "nothing").mkdir()
     for args, message in cases:
-        result = _eval_core(args, env)
+        result = prepare_in_process(["eval-core", *args], env, monkeypatch, capsys)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     broken_json = make_bundle(tmp_path / "badjson")
     with open(broken_json / "eval_data" / "synthetic" / "mc_plain.jsonl", "a") as f:
         f.write("{not json\n")
-    result = _eval_core(["--bundle-dir", str(broken_json)] + base, env)
+    result = prepare_in_process(["eval-core", "--bundle-dir", str(broken_json)] + base, env, monkeypatch, capsys)
     assert result.returncode == 1 and "mc_plain.jsonl:9: not valid JSON" in result.stderr
 
 
@@ -288,6 +290,7 @@ def test_a_download_that_is_not_a_zip_fails_clearly(tmp_path, isolated_cache, mo
 
 # --- the real inference.py ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path, text_dataset, tiny_checkpoint):
     """The official path: the pinned archive (served locally), the kit's inference.py, verification on."""
     import hashlib

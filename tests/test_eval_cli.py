@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import REPO, random_documents, run_prepare, write_shard
+from helpers import REPO, prepare_in_process, random_documents, run_prepare, write_shard
 
 FIXTURE = REPO / "tests" / "fixtures" / "bigram_train.py"
 
@@ -21,6 +21,7 @@ def _lines(stdout: str) -> dict:
     return dict(line.split(":", 1) for line in stdout.splitlines() if ":" in line and not line.startswith("["))
 
 
+@pytest.mark.slow
 def test_eval_public_scores_a_checkpoint_without_running_main(tmp_path, text_dataset, checkpoint):
     env = {"FRONTIER_DATA_DIR": str(text_dataset), "SUBMISSION_MAIN_RAN_MARKER": str(tmp_path / "ran")}
     result = run_prepare(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint),
@@ -35,6 +36,7 @@ def test_eval_public_scores_a_checkpoint_without_running_main(tmp_path, text_dat
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.slow
 def test_eval_on_any_shard(tmp_path, text_dataset, checkpoint):
     shard = write_shard(tmp_path / "private.parquet", random_documents(100, seed=9))
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
@@ -44,7 +46,8 @@ def test_eval_on_any_shard(tmp_path, text_dataset, checkpoint):
     assert _lines(result.stdout)["shard"].strip() == str(shard)
 
 
-def test_clear_errors(tmp_path, text_dataset, checkpoint):
+@pytest.mark.slow
+def test_clear_errors(tmp_path, text_dataset, checkpoint, monkeypatch, capsys):
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
     no_hook = tmp_path / "no_hook.py"
     no_hook.write_text("import torch\nMODEL = None\n")
@@ -62,17 +65,19 @@ def test_clear_errors(tmp_path, text_dataset, checkpoint):
           str(checkpoint)], "--val-shard"),
     ]
     for args, message in cases:
-        result = run_prepare(args, env)
+        result = prepare_in_process(args, env, monkeypatch, capsys)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_no_dataset_set_up_is_a_clear_error(checkpoint, isolated_cache):
     result = run_prepare(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint)],
                          {"FRONTIER_CACHE_DIR": str(isolated_cache)})
     assert result.returncode == 1 and "python prepare.py setup --source stdlib" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["setup", "eval-public", "eval"])
 def test_help(command):
     result = run_prepare([command, "--help"])

@@ -56,6 +56,7 @@ def test_a_graph_break_in_an_ingredient_is_an_error_that_names_the_line(monkeypa
         R.training_step_census(*R.tiny_recipe(["--depth", "2", "--bigram-buckets", "97"]))
 
 
+@pytest.mark.slow
 def test_an_op_the_device_runs_on_the_host_is_listed(monkeypatch):
     original = T.ngram_bucket
     monkeypatch.setattr(T, "ngram_bucket", lambda ids, buckets: original(ids, buckets).sort(dim=-1).values)

@@ -238,6 +238,7 @@ import train as T  # noqa: E402
 EVERY_INGREDIENT = T.flags_for(T.every_ingredient()) + ["--sampler", "keep-rest"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", [[], EVERY_INGREDIENT], ids=["baseline", "every-ingredient-keep-rest"])
 def test_train_py_runs_under_a_prepare_py_with_only_the_organisers_names(tmp_path, text_dataset, recipe):
     """train.py alone in a folder (no kernels/, no harness/ beside it) with a prepare.py that has only the

@@ -56,6 +56,7 @@ def test_an_official_style_train_py_trains_under_torchrun_and_is_scored(tmp_path
     assert lines["official"].startswith("False") and "--seq-len 64 is not the official context 1024" in lines["official"]
 
 
+@pytest.mark.slow
 def test_official_environment_variables_are_honoured_and_named(tmp_path, text_dataset, monkeypatch):
     cache = tmp_path / "official_cache"
     source = tmp_path / "docs"
@@ -98,6 +99,7 @@ def test_official_tokenizer_variables(tmp_path, text_dataset, monkeypatch):
         prepare.ensure_tokenizer()
 
 
+@pytest.mark.slow
 def test_eval_public_finds_the_checkpoint_in_the_official_out_dir(tmp_path, text_dataset):
     import torch
     out = tmp_path / "runs"

@@ -58,6 +58,7 @@ def test_planner_rescales_a_measured_throughput(capsys):
     assert 8 < float(out["tokens_per_parameter"]) < 14
 
 
+@pytest.mark.slow
 def test_planner_probe_measures_this_device(capsys):
     tiny = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--total-batch-size", "512",
             "--device-batch-size", "8"]

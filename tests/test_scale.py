@@ -54,6 +54,7 @@ def test_device_batch_shrinks_to_the_largest_divisor():
     assert T.batch_geometry(2**19, 2, 2048, 256).grad_accum_steps == 1  # Phase 2 batch on two servers at LNC=1
 
 
+@pytest.mark.slow
 def test_a_run_with_more_ranks_than_rows_adapts_instead_of_exiting(tmp_path, text_dataset):
     """One process standing in for a rank of a large world: a total batch of 2 rows per step, device batch 8."""
     result = run_train([*TINY, "--total-batch-size", "256", "--max-steps", "2", "--eval-tokens", "0",

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import time
 
+import pytest
+
 from helpers import REPO, make_text_source, random_documents, run_prepare, setup_in_process
 
 
@@ -25,6 +27,7 @@ def _artefact_lines(stdout: str) -> dict:
     return {k: line[len(k):].strip() for line in stdout.splitlines() for k in keys if line.startswith(k)}
 
 
+@pytest.mark.slow
 def test_stdlib_setup_on_fresh_clone_then_rerun_is_a_noop(tmp_path):
     clone = _fresh_clone(tmp_path / "clone")
     env = {"FRONTIER_CACHE_DIR": str(tmp_path / "cache")}
@@ -46,6 +49,7 @@ def test_stdlib_setup_on_fresh_clone_then_rerun_is_a_noop(tmp_path):
     assert time.time() - t0 < 30
 
 
+@pytest.mark.slow
 def test_rerun_repairs_a_deleted_shard_and_leftover_temp_files(tmp_path):
     source = make_text_source(tmp_path / "src", random_documents(200, seed=3))
     env = {"FRONTIER_CACHE_DIR": str(tmp_path / "cache")}
@@ -77,6 +81,7 @@ def test_bad_sources_get_one_clear_error(tmp_path, monkeypatch, capsys):
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_dir_source_reads_parquet_jsonl_and_txt(tmp_path):
     from helpers import write_shard
     src = tmp_path / "src"
@@ -92,6 +97,7 @@ def test_dir_source_reads_parquet_jsonl_and_txt(tmp_path):
     assert texts == sorted(["from parquet one", "from parquet two", "from jsonl", "from txt"])
 
 
+@pytest.mark.slow
 def test_malformed_jsonl_names_the_line(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

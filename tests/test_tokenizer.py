@@ -45,6 +45,7 @@ def _copy_harness(dest):
     return dest
 
 
+@pytest.mark.slow
 def test_one_byte_change_to_the_shipped_tokenizer_is_refused(tmp_path, stdlib_dataset):
     copy = _copy_harness(tmp_path / "kit")
     artifact = copy / "tokenizer" / "stdlib.json"
@@ -87,6 +88,7 @@ def test_missing_tokenizer_says_how_to_build_it(tmp_path, text_dataset):
         prepare.ensure_tokenizer(dataset_dir=data_dir)
 
 
+@pytest.mark.slow
 def test_two_builds_from_the_same_shards_are_byte_identical(tmp_path, stdlib_dataset):
     """Builds via the CLI from a dir: source holding the stdlib train shards."""
     source = tmp_path / "shards"

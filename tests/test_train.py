@@ -63,6 +63,7 @@ def test_tiny_model_learns_well_below_unigram_entropy(trained, text_dataset):
     assert float(s["peak_tflops"]) > 0 and f"1-thread {dtype} matmul" in s["peak_source"]
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trips_through_load_for_eval_and_eval_public(trained, text_dataset, tmp_path):
     checkpoint, _ = trained
     payload = torch.load(checkpoint, weights_only=True)
@@ -95,6 +96,7 @@ def test_checkpoint_of_another_config_is_a_clear_error(trained, tmp_path, text_d
     assert result.returncode == 1 and "does not fit this train.py's GPT" in result.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path, text_dataset):
     result = run_train([*TINY, "--total-batch-size", "2048", "--max-steps", "4", "--eval-tokens", "0",
                         "--out-dir", str(tmp_path / "out")], {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path,
@@ -108,6 +110,7 @@ def test_torchrun_two_processes(tmp_path, text_dataset):
     assert (tmp_path / "out" / "final.pt").exists()
 
 
+@pytest.mark.slow
 def test_one_ddp_step_equals_one_single_process_step(tmp_path, two_rank_steps):
     script = REPO / "tests" / "fixtures" / "one_step.py"
     single = subprocess.run([sys.executable, str(script), str(tmp_path / "single.pt")], capture_output=True, text=True)
@@ -131,6 +134,7 @@ def test_injected_nan_stops_cleanly_without_a_checkpoint(tmp_path, train_main):
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow
 def test_short_budget_is_respected_including_the_save(tmp_path, text_dataset):
     result = run_train([*TINY, "--time-budget", "8", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
                        {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
@@ -141,6 +145,7 @@ def test_short_budget_is_respected_including_the_save(tmp_path, text_dataset):
     assert (tmp_path / "out" / "final.pt").exists()
 
 
+@pytest.mark.slow
 def test_nki_flag_fails_clearly_off_trainium(tmp_path, text_dataset):
     result = run_train([*TINY, "--nki-relu2"], {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
     assert result.returncode == 1 and "--nki-relu2" in result.stderr and "neuron device" in result.stderr
@@ -194,6 +199,7 @@ def test_default_model_is_about_59_6M_parameters():
     assert model.config.n_embd == 640 and model.config.n_head == 5
 
 
+@pytest.mark.slow
 def test_importing_train_has_no_side_effects(tmp_path):
     code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import train; import torch.distributed as d; " \
            "print(d.is_initialized())"

@@ -18,6 +18,8 @@ from core_bundle import make_bundle
 from helpers import REPO, run_prepare
 from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
 
+pytestmark = pytest.mark.slow  # every test here runs the contained evaluation end to end
+
 ATTACKS = {
     # peeks everywhere except the three fixed cut points of the old check
     "peek_except_fixed_cuts": f'''
@@ -189,7 +191,6 @@ class Cheat(Model):
         "reading ahead at >= 16 % of positions is caught in 99 % of runs (26 twins); fewer twins than an official")
 
 
-@pytest.mark.slow
 def test_a_compiled_model_is_not_refused(tmp_path, checkpoint, text_dataset, honest):
     compiled = '''
 class Cheat(Model):
