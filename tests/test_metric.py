@@ -238,24 +238,24 @@ def test_valid_causal_attention_model_is_never_refused(tok, active_text_dataset)
 
 
 @pytest.mark.slow
-def test_distributed_evaluate_bpb_gives_the_same_number_at_any_world_size(tmp_path, long_shard, active_text_dataset):
-    """evaluate_bpb called on every rank shares the rows out and adds the per-row sums in row order."""
+def test_distributed_evaluate_bpb_gives_the_same_number_at_any_world_size(tmp_path, tok, long_shard,
+                                                                          active_text_dataset):
+    """evaluate_bpb called on every rank shares the rows out and adds the per-row sums in row order:
+    tests/fixtures/dist_eval.py under torchrun with 2 ranks gives this process's number exactly (the
+    sharing is rank-generic, row k on rank k % world; 2 ranks are the CI's standard)."""
     import json
     import subprocess
     import sys
     from helpers import REPO
-    script = REPO / "tests" / "fixtures" / "dist_eval.py"
-    results = {}
-    for world in (1, 2, 4):
-        out = tmp_path / f"w{world}.json"
-        launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                        f"--nproc_per_node={world}"]
-        run = subprocess.run([*launcher, str(script), str(out), str(long_shard), "16", str(16 * 200)],
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        results[world] = json.loads(out.read_text())
-    assert results[1]["world_size"] == 1 and results[4]["world_size"] == 4
-    for world in (2, 4):
-        for key in ("val_bpb", "total_nats", "total_bytes", "tokens", "rows"):
-            assert results[world][key] == results[1][key], (world, key)
-        assert results[world]["cut_positions"] == 15  # the ranks share one cycle of cut positions
+    out = tmp_path / "w2.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "tests" / "fixtures" / "dist_eval.py"), str(out), str(long_shard), "16",
+                          str(16 * 200)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    two = json.loads(out.read_text())
+    model = BigramModel(torch.randn(8192, 8192, generator=torch.Generator().manual_seed(0)))  # dist_eval.py's
+    one = prepare.evaluate_bpb(model, tok, 4, 16, "cpu", max_tokens=16 * 200, shard_path=long_shard)
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    for key in ("val_bpb", "total_nats", "total_bytes", "tokens", "rows"):
+        assert two[key] == one[key], key
+    assert two["cut_positions"] == 15  # the ranks share one cycle of cut positions
