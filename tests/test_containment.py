@@ -638,6 +638,14 @@ if os.environ.get("SUBMISSION_PROBE_CONTROL") != "1":
     attempt("parent_cwd", lambda: os.listdir(f"/proc/{PARENT}/cwd"))
     attempt("tcp_bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
     attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX))
+    attempt("unix_datagram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))  # syslog's /dev/log
+    attempt("write_proc_sys", lambda: os.close(os.open("/proc/sys/kernel/domainname", os.O_WRONLY)))  # opened only
+    attempt("write_sys", lambda: os.close(os.open("/sys/devices/system/cpu/cpu0/online"
+                                                  if os.path.exists("/sys/devices/system/cpu/cpu0/online")
+                                                  else "/sys/devices/system/cpu/uevent", os.O_WRONLY)))
+    attempt("write_var_tmp", lambda: open("/var/tmp/frontier-probe", "w").write("x"))  # a compiler's shared cache
+    attempt("list_sys_kernel", lambda: os.listdir("/sys/kernel"))
+    attempt("list_usr_share", lambda: os.listdir("/usr/share"))
     attempt("netlink_socket", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
     attempt("signal_parent", lambda: os.kill(PARENT, 0))
     attempt("sysv_shm", lambda: libc_call("shmget", 4242, 4096, 0o1666))
@@ -691,7 +699,8 @@ DENIED = ("read_file", "read_via_proc_root", "list_tmp", "write_tmp", "write_dev
           "parent_fd", "parent_cwd", "tcp_connect", "tcp_bind", "unix_socket", "netlink_socket", "signal_parent",
           "sysv_shm", "sysv_msg", "posix_mq", "keyring", "xattr", "hostname", "udp_socket", "mptcp_socket",
           "io_uring", "setsid", "unshare", "read_etc_shadow", "inode_flags", "prlimit_parent", "clone_new_namespace",
-          "bind_abstract", "mincore", "preadv2_nowait")
+          "bind_abstract", "mincore", "preadv2_nowait", "unix_datagram", "write_proc_sys", "write_sys", "write_var_tmp",
+          "list_sys_kernel", "list_usr_share")
 
 
 def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest_runs):
