@@ -4,10 +4,14 @@ Applied inside the worker process (worker_side.py) before any participant code i
 and kept by everything the worker starts (no_new_privs; a Landlock domain and a seccomp filter
 are inherited across fork and exec and cannot be lifted):
 
+- **A mount namespace where nothing moves an access time** (where the worker has CAP_SYS_ADMIN,
+  before it drops it): every mount remounted noatime, so what the worker reads, lists or follows
+  leaves no mark another worker could stat (without it, the harness reads ahead instead:
+  access_times.py).
 - **Linux Landlock** (an unprivileged LSM; its ABI version decides what it can restrict):
   the file system is readable only under the roots the harness names (the interpreter and its
-  packages, the system's libraries and compiler, a few files of /etc, the private copy of the
-  participant's files) and writable only in the worker's private folder (which holds its copy of
+  packages, the system's libraries, compiler and headers and the accelerators' runtimes, the
+  devices of /sys, /proc, a few files of /etc, the private copy of the participant's files) and writable only in the worker's private folder (which holds its copy of
   the kit's harness code); device nodes of the accelerators are opened read-write. TCP bind and
   connect are refused (ABI 4), and so are signals to, and abstract unix sockets of, processes
   outside the sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which

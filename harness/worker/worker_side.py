@@ -107,8 +107,9 @@ class Server:
 
     def sandbox(self, msg: dict) -> dict:
         """Apply the sandbox the harness asked for; any failure is an error (the harness then stops:
-        participant code never runs in a half-applied sandbox). The rlimits hold with or without
-        the sandbox."""
+        participant code never runs in a half-applied sandbox), but for the noatime namespace,
+        which needs a privilege the worker may lack: its absence is reported (no "noatime"), and
+        the harness reads ahead instead. The rlimits hold with or without the sandbox."""
         limits.apply_rlimits(msg["rlimits"])
         if msg.get("off"):
             return {"applied": []}
