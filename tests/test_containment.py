@@ -1091,3 +1091,21 @@ def test_proc_moves_no_access_time():
     after = {p: os.lstat(p) for p in paths}
     assert all((before[p].st_atime_ns, before[p].st_mtime_ns) == (after[p].st_atime_ns, after[p].st_mtime_ns)
                for p in paths)
+
+
+def test_a_mount_where_every_read_moves_an_access_time_is_named():
+    """strictatime (no relatime, no noatime) cannot be read ahead: the run says so. A read moves an
+    atime not after the mtime or ctime, or a day old by the deadline, and nothing else."""
+    from harness.worker import access_times
+    root = os.path.realpath(REPO)
+    dev = os.stat(root).st_dev
+    strict = {dev: access_times.Mount("/strict", "ext4", {"rw"})}
+    assert access_times.strict_mounts([root], strict) == ["/strict"]
+    for options in ({"rw", "relatime"}, {"rw", "noatime"}):
+        assert access_times.strict_mounts([root], {dev: access_times.Mount("/m", "ext4", options)}) == []
+    from types import SimpleNamespace as Times
+    now, day = time.time_ns(), access_times.DAY_NS
+    assert not access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now - 10, st_ctime_ns=now - 10), now - day)
+    assert access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now, st_ctime_ns=now - 10), now - day)
+    assert access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now - 10, st_ctime_ns=now + 1), now - day)
+    assert access_times.would_move(Times(st_atime_ns=now - day, st_mtime_ns=0, st_ctime_ns=0), now - day)
