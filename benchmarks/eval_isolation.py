@@ -7,6 +7,7 @@ machine's noise hits all of them.
 
     python benchmarks/eval_isolation.py [--checkpoint out/final.pt] [--max-tokens 262144] [--rounds 2]
                                         [--modes in_process,worker,contained,read_ahead]
+    python benchmarks/eval_isolation.py --readable   # what a worker may read, and reading it ahead twice
 
 Without a checkpoint, a freshly initialised CPU-preset model is saved and used (speed does not
 depend on the weights). All paths use the active dataset's public_val and the official context.
@@ -34,6 +35,26 @@ REPO = Path(__file__).resolve().parents[1]
 MODES = ("in_process", "worker", "contained", "read_ahead")
 
 
+def readable():
+    """Count the files, folders and links under a worker's readable roots, then read ahead twice
+    (access_times.settle): the first time reads what a read would move, the second finds nothing."""
+    from harness.worker import access_times, sandbox
+    roots = access_times.readable_roots(sandbox.worker_rules(Path("/nonexistent"), Path("/nonexistent")))
+    counts = {"files": 0, "folders": 0, "links": 0}
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            counts["folders"] += 1
+            links = {name for name in dirs + files if os.path.islink(os.path.join(folder, name))}
+            counts["links"] += len(links)
+            counts["files"] += len(set(files) - links)  # folders are counted when the walk enters them
+    print(f"readable_roots:          {len(roots)}")
+    print(f"readable_entries:        {sum(counts.values())}  ({counts})")
+    for k in range(2):
+        done = access_times.settle(roots, prepare.EVAL_TIMEOUT_SECONDS)
+        print(f"read_ahead_{k}:            {done.seconds:.2f}s: {done.entries} entries looked at, {done.files_read} files "
+              f"read, {done.folders_listed} folders listed, {done.links_read} links read")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None)
@@ -42,7 +63,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
+    parser.add_argument("--readable", action="store_true", help="count what a worker may read; read it ahead twice")
     args = parser.parse_args()
+    if args.readable:
+        return readable()
     modes = tuple(m for m in MODES if m in args.modes.split(","))
     checkpoint = args.checkpoint or save_random_checkpoint("cpu")
     tokenizer = prepare.ensure_tokenizer()

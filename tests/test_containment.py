@@ -1042,6 +1042,7 @@ def assert_nothing_passed(roles, views, kinds):
         assert len(views[kind]) == 2 and views[kind][0] == views[kind][1], (kind, views)
 
 
+@pytest.mark.slow  # two evaluations, about 30 s
 def test_what_a_worker_reads_or_lists_leaves_no_mark_for_the_next(tmp_path, checkpoint, text_dataset, honest_runs):
     """The first worker reads files, lists folders and follows links to send 12 bits; the second
     sees every entry's times, size and link count exactly as the first did (it never learns it is
