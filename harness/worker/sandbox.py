@@ -11,10 +11,10 @@ are inherited across fork and exec and cannot be lifted):
 - **Linux Landlock** (an unprivileged LSM; its ABI version decides what it can restrict):
   the file system is readable only under the roots the harness names (the interpreter and its
   packages, the system's libraries, compiler and headers and the accelerators' runtimes, the
-  devices of /sys, /proc, a few files of /etc, the private copy of the participant's files) and writable only in the worker's private folder (which holds its copy of
-  the kit's harness code); device nodes of the accelerators are opened read-write. TCP bind and
-  connect are refused (ABI 4), and so are signals to, and abstract unix sockets of, processes
-  outside the sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which
+  devices of /sys, /proc, a few files of /etc, the private copy of the participant's files) and
+  writable only in the worker's private folder (which holds its copy of the kit's harness code);
+  device nodes of the accelerators are opened read-write. TCP bind and connect are refused (ABI
+  4), and so are signals to, and abstract unix sockets of, processes outside the sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which
   closes /proc/<pid>/mem, /fd and /environ of the harness.
 - **A seccomp filter** for what Landlock does not cover: any new socket (the worker has the
   socket pair the harness gave it); io_uring (its operations do not pass through this filter);
@@ -428,7 +428,7 @@ def system_roots() -> list[str]:
     where /lib is not a link into /usr; SYSTEM_ROOTS; every folder the dynamic loader is told to
     search in /etc/ld.so.conf.d), those that exist."""
     import glob
-    arch = {"x86_64": "x86_64", "aarch64": "aarch64"}.get(seccomp_arch() or "", platform.machine())
+    arch = seccomp_arch() or platform.machine()
     prefixes = ["/usr"] + ([""] if os.path.isdir("/lib") and not os.path.islink("/lib") else [])
     roots = [f"{p}/{f.format(arch=arch)}" for p in prefixes for f in SYSTEM_FOLDERS] + list(SYSTEM_ROOTS)
     for conf in sorted(glob.glob("/etc/ld.so.conf.d/*.conf")):
