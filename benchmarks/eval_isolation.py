@@ -1,15 +1,20 @@
 """What containment costs: the official evaluation (train.py's model in a sandboxed worker process,
-logits through sealed shared memory) against the same worker without its sandbox and against
-evaluate_bpb on the same model in this process: same rows, same checks, measured in the same run,
-in rotating order, so a shared machine's noise hits all three.
+logits through sealed shared memory) against the same worker without its sandbox, against the
+sandbox without its noatime mount namespace (the harness reading ahead what a read would move
+instead, as where it lacks CAP_SYS_ADMIN) and against evaluate_bpb on the same model in this
+process: same rows, same checks, measured in the same run, in rotating order, so a shared
+machine's noise hits all of them.
 
     python benchmarks/eval_isolation.py [--checkpoint out/final.pt] [--max-tokens 262144] [--rounds 2]
+                                        [--modes in_process,worker,contained,read_ahead]
+    python benchmarks/eval_isolation.py --readable   # what a worker may read, and reading it ahead twice
 
 Without a checkpoint, a freshly initialised CPU-preset model is saved and used (speed does not
 depend on the weights). All paths use the active dataset's public_val and the official context.
 Printed: the time of each, rows to result (best of the rounds; in process: the model's load excluded,
 contained: both workers' start and load included), the worker's start (interpreter and imports),
-the sandbox's set-up on its own, the copy of the submission, and what the second worker costs."""
+the sandbox's set-up on its own (with reading ahead: on the first round, when the atimes of a day
+have not been read yet, and after), the copy of the submission, and what the second worker costs."""
 import argparse
 import os
 import sys
@@ -23,10 +28,31 @@ import prepare  # noqa: E402
 import train as T  # noqa: E402
 from harness.metric import evaluate_checkpoint  # noqa: E402
 from harness.submission import copy_submission  # noqa: E402
+from harness.worker import harness_side  # noqa: E402
 from random_model import save_random_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("in_process", "worker", "contained")
+MODES = ("in_process", "worker", "contained", "read_ahead")
+
+
+def readable():
+    """Count the files, folders and links under a worker's readable roots, then read ahead twice
+    (access_times.settle): the first time reads what a read would move, the second finds nothing."""
+    from harness.worker import access_times, sandbox
+    roots = access_times.readable_roots(sandbox.worker_rules(Path("/nonexistent"), Path("/nonexistent")))
+    counts = {"files": 0, "folders": 0, "links": 0}
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            counts["folders"] += 1
+            links = {name for name in dirs + files if os.path.islink(os.path.join(folder, name))}
+            counts["links"] += len(links)
+            counts["files"] += len(set(files) - links)  # folders are counted when the walk enters them
+    print(f"readable_roots:          {len(roots)}")
+    print(f"readable_entries:        {sum(counts.values())}  ({counts})")
+    for k in range(2):
+        done = access_times.settle(roots, prepare.EVAL_TIMEOUT_SECONDS)
+        print(f"read_ahead_{k}:            {done.seconds:.2f}s: {done.entries} entries looked at, {done.files_read} files "
+              f"read, {done.folders_listed} folders listed, {done.links_read} links read")
 
 
 def main():
@@ -36,24 +62,35 @@ def main():
     parser.add_argument("--batch-size", type=int, default=prepare.EVAL_BATCH_SIZE)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
+    parser.add_argument("--readable", action="store_true", help="count what a worker may read; read it ahead twice")
     args = parser.parse_args()
+    if args.readable:
+        return readable()
+    modes = tuple(m for m in MODES if m in args.modes.split(","))
     checkpoint = args.checkpoint or save_random_checkpoint("cpu")
     tokenizer = prepare.ensure_tokenizer()
     seq = prepare.EVAL_SEQ_LEN
-    times = {k: [] for k in (*MODES, "total", "start", "sandbox", "copy", "second_load", "second_pass")}
+    times = {k: [] for k in (*MODES, "total", "start", "sandbox", "copy", "second_load", "second_pass",
+                             "read_ahead_first", "read_ahead_later")}
     numbers = {}
     for r in range(args.rounds):
-        for mode in MODES[r % 3:] + MODES[:r % 3]:
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             t0 = time.time()
             if mode == "in_process":
                 model = T.load_for_eval(checkpoint, torch.device(args.device))
                 result = prepare.evaluate_bpb(model, tokenizer, args.batch_size, seq, args.device,
                                               max_tokens=args.max_tokens)
             else:
+                harness_side.ATIME_DEFENCES = ("read ahead",) if mode == "read_ahead" else ("noatime", "read ahead")
                 with copy_submission(REPO / "train.py", checkpoint) as submission:
                     copied = time.time() - t0
                     result = evaluate_checkpoint(submission, tokenizer, args.batch_size, seq, args.device,
-                                                 max_tokens=args.max_tokens, use_sandbox=mode == "contained")
+                                                 max_tokens=args.max_tokens, use_sandbox=mode != "worker")
+                if mode == "read_ahead":
+                    seconds = [w["sandbox_seconds"] for w in result["workers"]]
+                    times["read_ahead_first" if not times["read_ahead_first"] else "read_ahead_later"].append(seconds[0])
+                    times["read_ahead_later"] += seconds[1:]
                 if mode == "contained":
                     times["total"].append(time.time() - t0)
                     times["start"].append(result["worker_start_seconds"])
@@ -65,23 +102,35 @@ def main():
             numbers[mode] = result["val_bpb"]
             print(f"round {r} {mode:<10}: eval {result['eval_seconds']:6.1f}s, wall {time.time() - t0:6.1f}s, "
                   f"val_bpb {result['val_bpb']:.6f}, {result['tokens']} tokens, {result['probes']} probes", flush=True)
-    best = {k: min(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items() if v}
+    lines = [("in_process_seconds", "in_process", "{:.1f}", f"(best of {args.rounds})"),
+             ("worker_seconds", "worker", "{:.1f}", "(two workers without their sandbox; their start and load included)"),
+             ("contained_seconds", "contained", "{:.1f}", "(the official path: two sandboxed workers, start and load "
+                                                         "included)"),
+             ("read_ahead_seconds", "read_ahead", "{:.1f}", "(the same without the noatime namespace: the harness "
+                                                           "reads ahead)"),
+             ("contained_total_seconds", "total", "{:.1f}", "(copy, worker start, sandbox and model load included)"),
+             ("worker_start_seconds", "start", "{:.2f}", "(interpreter, numpy and torch imports)"),
+             ("sandbox_setup_seconds", "sandbox", "{:.4f}", "(the rules, the noatime namespace, applying them)"),
+             ("read_ahead_first_seconds", "read_ahead_first", "{:.2f}", "(sandbox set-up with reading ahead, first "
+                                                                       "worker of the first round)"),
+             ("read_ahead_later_seconds", "read_ahead_later", "{:.2f}", "(the same for every later worker: stat() only)"),
+             ("copy_seconds", "copy", "{:.2f}", "(train.py, kernels/ and the checkpoint, hashed)")]
     print("---")
     print(f"checkpoint:              {checkpoint}")
     print(f"tokens:                  {args.max_tokens}")
     print(f"same_number:             {len(set(numbers.values())) == 1}")
-    print(f"in_process_seconds:      {best['in_process']:.1f}  (best of {args.rounds})")
-    print(f"worker_seconds:          {best['worker']:.1f}  (two workers without their sandbox; their start and load included)")
-    print(f"contained_seconds:       {best['contained']:.1f}  (the official path: two sandboxed workers, start and load included)")
-    print(f"contained_total_seconds: {best['total']:.1f}  (copy, worker start, sandbox and model load included)")
-    print(f"worker_start_seconds:    {best['start']:.2f}  (interpreter, numpy and torch imports)")
-    print(f"sandbox_setup_seconds:   {best['sandbox']:.4f}  (the rules and applying them)")
-    print(f"copy_seconds:            {best['copy']:.2f}  (train.py, kernels/ and the checkpoint, hashed)")
-    print(f"second_worker_seconds:   {best['second_load']:.2f} to start and load, {best['second_pass']:.1f} for its pass "
-          "(the probes of the first pass's rows never run where those rows did)")
-    print(f"worker_overhead:         {100 * (best['worker'] / best['in_process'] - 1):+.1f} %")
-    print(f"contained_overhead:      {100 * (best['contained'] / best['in_process'] - 1):+.1f} %")
-
+    for name, key, form, note in lines:
+        if key in best:
+            print(f"{name + ':':<25}{form.format(best[key])}  {note}")
+    if "second_load" in best:
+        print(f"second_worker_seconds:   {best['second_load']:.2f} to start and load, {best['second_pass']:.1f} for its "
+              "pass (the probes of the first pass's rows never run where those rows did)")
+    for mode in ("worker", "contained", "read_ahead"):
+        if mode in best and "in_process" in best:
+            print(f"{mode + '_overhead:':<25}{100 * (best[mode] / best['in_process'] - 1):+.1f} %")
+    if "read_ahead" in best and "contained" in best:
+        print(f"read_ahead_vs_contained: {100 * (best['read_ahead'] / best['contained'] - 1):+.1f} %")
 
 if __name__ == "__main__":
     main()

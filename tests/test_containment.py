@@ -626,6 +626,14 @@ if os.environ.get("SUBMISSION_PROBE_CONTROL") != "1":
     attempt("parent_cwd", lambda: os.listdir(f"/proc/{PARENT}/cwd"))
     attempt("tcp_bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
     attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX))
+    attempt("unix_datagram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))  # syslog's /dev/log
+    attempt("write_proc_sys", lambda: os.close(os.open("/proc/sys/kernel/domainname", os.O_WRONLY)))  # opened only
+    attempt("write_sys", lambda: os.close(os.open("/sys/devices/system/cpu/cpu0/online"
+                                                  if os.path.exists("/sys/devices/system/cpu/cpu0/online")
+                                                  else "/sys/devices/system/cpu/uevent", os.O_WRONLY)))
+    attempt("write_var_tmp", lambda: open("/var/tmp/frontier-probe", "w").write("x"))  # a compiler's shared cache
+    attempt("list_sys_kernel", lambda: os.listdir("/sys/kernel"))
+    attempt("list_usr_share", lambda: os.listdir("/usr/share"))
     attempt("netlink_socket", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
     attempt("signal_parent", lambda: os.kill(PARENT, 0))
     attempt("sysv_shm", lambda: libc_call("shmget", 4242, 4096, 0o1666))
@@ -679,7 +687,8 @@ DENIED = ("read_file", "read_via_proc_root", "list_tmp", "write_tmp", "write_dev
           "parent_fd", "parent_cwd", "tcp_connect", "tcp_bind", "unix_socket", "netlink_socket", "signal_parent",
           "sysv_shm", "sysv_msg", "posix_mq", "keyring", "xattr", "hostname", "udp_socket", "mptcp_socket",
           "io_uring", "setsid", "unshare", "read_etc_shadow", "inode_flags", "prlimit_parent", "clone_new_namespace",
-          "bind_abstract", "mincore", "preadv2_nowait")
+          "bind_abstract", "mincore", "preadv2_nowait", "unix_datagram", "write_proc_sys", "write_sys", "write_var_tmp",
+          "list_sys_kernel", "list_usr_share")
 
 
 def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest_runs):
@@ -926,3 +935,166 @@ def test_a_worker_under_its_caps_is_measured_and_scored(tmp_path, checkpoint, te
     used = [line for line in result.stderr.splitlines() if line.startswith("[worker] used at most: ")]
     assert len(used) == 1 and 256 <= int(used[0].split("disk ")[1].split()[0]) < 300, used
     assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+
+
+# --- metadata: what the first worker reads, the second must not see ------------------------------------
+
+BOARD = '''
+import hashlib
+import os
+import sys
+
+BOARD, HIDDEN = os.environ["SUBMISSION_BOARD"], os.environ["SUBMISSION_HIDDEN"]
+# Three ways to leave a mark, four bits each, each beside a marker (moved: a first worker was here)
+# and a reference nobody touches: reading a file, listing a folder (both where the sandbox lets the
+# worker read), following a link (anywhere: a path's links are followed before the sandbox looks).
+KINDS = {"files": (BOARD, "f", lambda p: open(p).read()), "folders": (BOARD, "d", os.listdir),
+         "links": (HIDDEN, "l", os.stat)}
+
+
+def moved(folder, name, prefix):
+    """Its access time is later than its reference's by more than a worker's start could explain."""
+    ref = os.lstat(os.path.join(folder, prefix + "ref")).st_atime_ns
+    return os.lstat(os.path.join(folder, name)).st_atime_ns - ref > 200_000_000
+
+
+for kind, (folder, prefix, touch) in KINDS.items():
+    names = [prefix + s for s in ("ref", "marker", "0", "1", "2", "3")]
+    view = [tuple(getattr(os.lstat(os.path.join(folder, n)), f) for f in
+                  ("st_atime_ns", "st_mtime_ns", "st_ctime_ns", "st_size", "st_nlink")) for n in names]
+    print("BOARD view", kind, hashlib.sha256(repr(view).encode()).hexdigest()[:16], file=sys.stderr)
+    if moved(folder, prefix + "marker", prefix):
+        got = "".join("1" if moved(folder, f"{prefix}{i}", prefix) else "0" for i in range(4))
+        print("BOARD", kind, "second", got, file=sys.stderr)
+        continue
+    sent = "0000"
+    while sent in ("0000", "1111"):
+        sent = format(int.from_bytes(os.urandom(1), "big") % 16, "04b")
+    touch(os.path.join(folder, prefix + "marker"))
+    for i, bit in enumerate(sent):
+        if bit == "1":
+            touch(os.path.join(folder, f"{prefix}{i}"))
+    print("BOARD", kind, "first", sent, file=sys.stderr)
+
+
+class Cheat(Model):
+    pass
+'''
+
+
+def board(tmp_path) -> dict:
+    """Fresh files and folders on the worker's sys.path, and links in a folder it cannot read: none
+    read yet (atime not after mtime, so relatime would move any of them)."""
+    readable, hidden = tmp_path / "board", tmp_path / "hidden"
+    readable.mkdir(parents=True)
+    hidden.mkdir()
+    for s in ("ref", "marker", "0", "1", "2", "3"):
+        (readable / f"f{s}").write_text("x")
+        (readable / f"d{s}").mkdir()
+        (readable / f"d{s}" / "x").write_text("x")
+        (hidden / f"l{s}").symlink_to("/usr/bin")
+    return {"SUBMISSION_BOARD": str(readable), "SUBMISSION_HIDDEN": str(hidden), "PYTHONPATH": str(readable)}
+
+
+DEFENCES_SET = ("import os, runpy, sys; from harness.worker import harness_side; "
+                "harness_side.ATIME_DEFENCES = tuple(d for d in os.environ['TEST_ATIME_DEFENCES'].split(',') if d); "
+                "sys.argv = ['prepare.py', *sys.argv[1:]]; runpy.run_path('prepare.py', run_name='__main__')")
+
+
+def evaluate_with_defences(train_py, checkpoint, dataset, defences: tuple, env: dict):
+    """`prepare.py eval-public` with harness_side.ATIME_DEFENCES set to defences (a control)."""
+    import subprocess
+    args = ["eval-public", "--train-py", train_py, "--checkpoint", checkpoint, "--device", "cpu", "--seq-len",
+            str(SEQ), "--max-tokens", str(TOKENS)]
+    result = subprocess.run([sys.executable, "-c", DEFENCES_SET, *args], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "FRONTIER_DATA_DIR": str(dataset), **env,
+                                 "TEST_ATIME_DEFENCES": ",".join(defences)}, timeout=600)
+    return result, result_lines(result.stdout)
+
+
+def board_lines(stderr: str) -> dict:
+    """kind -> [('first', bits sent) or ('second', bits decoded)], and kind -> the views, in worker order."""
+    roles, views = {}, {}
+    for line in stderr.splitlines():
+        words = line.split()
+        if len(words) == 5 and words[1] == "BOARD" and words[2] == "view":
+            views.setdefault(words[3], []).append(words[4])
+        elif len(words) == 5 and words[1] == "BOARD":
+            roles.setdefault(words[2], []).append((words[3], words[4]))
+    return roles, views
+
+
+def assert_nothing_passed(roles, views, kinds):
+    for kind in kinds:
+        assert [r for r, _ in roles[kind]] == ["first", "first"], (kind, roles)
+        assert len(views[kind]) == 2 and views[kind][0] == views[kind][1], (kind, views)
+
+
+@pytest.mark.slow  # two evaluations, about 30 s
+def test_what_a_worker_reads_or_lists_leaves_no_mark_for_the_next(tmp_path, checkpoint, text_dataset, honest_runs):
+    """The first worker reads files, lists folders and follows links to send 12 bits; the second
+    sees every entry's times, size and link count exactly as the first did (it never learns it is
+    second). The control, with access times left to move, passes all 12 bits."""
+    cheat = participant(tmp_path, "board", BOARD)
+    result, lines = evaluate_with_defences(cheat, checkpoint, text_dataset, ("noatime", "read ahead"),
+                                           board(tmp_path / "real"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    roles, views = board_lines(result.stderr)
+    if "noatime" in lines["sandbox"]:
+        assert_nothing_passed(roles, views, ("files", "folders", "links"))
+    else:  # no CAP_SYS_ADMIN: read ahead, links outside the readable folders still move
+        assert_nothing_passed(roles, views, ("files", "folders"))
+        assert "symbolic link" in lines["official"]
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+    control, _ = evaluate_with_defences(cheat, checkpoint, text_dataset, (), board(tmp_path / "control"))
+    assert control.returncode == 0, control.stderr[-3000:]
+    roles, views = board_lines(control.stderr)
+    for kind in ("files", "folders", "links"):
+        (first, sent), (second, got) = roles[kind]
+        assert (first, second) == ("first", "second") and got == sent, (kind, roles)
+
+
+def test_reading_ahead_leaves_no_mark_without_a_mount_namespace(tmp_path, checkpoint, text_dataset, honest_runs):
+    """Without the noatime namespace (as without CAP_SYS_ADMIN), the harness reads ahead: files and
+    folders the worker may read keep their times; a link outside them still carries its bits, so
+    the result is not official and says why."""
+    cheat = participant(tmp_path, "board", BOARD)
+    result, lines = evaluate_with_defences(cheat, checkpoint, text_dataset, ("read ahead",), board(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    roles, views = board_lines(result.stderr)
+    assert_nothing_passed(roles, views, ("files", "folders"))
+    (first, sent), (second, got) = roles["links"]
+    assert (first, second) == ("first", "second") and got == sent, roles
+    assert "noatime" not in lines["sandbox"] and "symbolic link" in lines["official"], lines
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+
+
+def test_proc_moves_no_access_time():
+    """Why the harness does not read /proc ahead: listing its folders and reading its files, which
+    a worker may do, moves no time there."""
+    paths = ["/proc/sys/kernel", "/proc/sys/kernel/pid_max", "/proc/loadavg", "/proc/stat", "/proc/1",
+             f"/proc/{os.getpid()}/status", "/proc/sys/fs", "/proc/meminfo"]
+    before = {p: os.lstat(p) for p in paths}
+    for p in paths:
+        os.listdir(p) if os.path.isdir(p) else open(p).read()
+    after = {p: os.lstat(p) for p in paths}
+    assert all((before[p].st_atime_ns, before[p].st_mtime_ns) == (after[p].st_atime_ns, after[p].st_mtime_ns)
+               for p in paths)
+
+
+def test_a_mount_where_every_read_moves_an_access_time_is_named():
+    """strictatime (no relatime, no noatime) cannot be read ahead: the run says so. A read moves an
+    atime not after the mtime or ctime, or a day old by the deadline, and nothing else."""
+    from harness.worker import access_times
+    root = os.path.realpath(REPO)
+    dev = os.stat(root).st_dev
+    strict = {dev: access_times.Mount("/strict", "ext4", {"rw"})}
+    assert access_times.strict_mounts([root], strict) == ["/strict"]
+    for options in ({"rw", "relatime"}, {"rw", "noatime"}):
+        assert access_times.strict_mounts([root], {dev: access_times.Mount("/m", "ext4", options)}) == []
+    from types import SimpleNamespace as Times
+    now, day = time.time_ns(), access_times.DAY_NS
+    assert not access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now - 10, st_ctime_ns=now - 10), now - day)
+    assert access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now, st_ctime_ns=now - 10), now - day)
+    assert access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now - 10, st_ctime_ns=now + 1), now - day)
+    assert access_times.would_move(Times(st_atime_ns=now - day, st_mtime_ns=0, st_ctime_ns=0), now - day)

@@ -48,7 +48,7 @@ import numpy as np
 from harness.common import EvalRefused
 from harness.config import REPO_DIR
 from harness.submission import Submission
-from harness.worker import limits, sandbox, wire
+from harness.worker import access_times, limits, sandbox, wire
 from harness.worker.wire import LOGIT_DTYPES, WorkerError
 
 STDERR_TAIL_LINES = 40  # worker output kept for error messages
@@ -59,7 +59,11 @@ EXIT_GRACE_SECONDS = 2.0  # after "exit", how long the worker may take before it
 REAP_SECONDS = 10.0  # how long close() keeps killing what the worker left behind, once nothing more dies
 MAX_SEQ_LEN = 1 << 24  # a scorer's max_seq_len above this is not a length
 DEVICE_NAME = re.compile(r"(cpu|cuda|neuron|mps|xla)(:[0-9]{1,4})?")
-SANDBOX_PART = re.compile(r"capabilities|seccomp|landlock-[0-9]{1,2}")
+SANDBOX_PART = re.compile(r"noatime|capabilities|seccomp|landlock-[0-9]{1,2}")
+# How a worker is kept from moving access times (a channel to the next worker, access_times.py):
+# a mount namespace where every mount is noatime (where the worker has CAP_SYS_ADMIN), else the
+# harness reads ahead whatever a read would move. Tests empty it for a control run.
+ATIME_DEFENCES = ("noatime", "read ahead")
 # The worker's environment: only these variables of the harness's (an allowlist: no credentials, no
 # data locations), less the hidden ones: data and output locations, and torchrun's (the worker is one
 # single-device process; it must not join the harness's process group). SUBMISSION_* variables are
@@ -221,6 +225,7 @@ class Worker:
         self.sandbox_applied: list[str] = []
         self._cap_reported = False
         self.start_seconds = self.sandbox_seconds = 0.0  # interpreter start and imports; the sandbox alone
+        self.settled: access_times.Settled | None = None  # what the harness read ahead, without noatime
         self.limits = limits.worker_limits()
         self.watchdog = None
         t_start = time.monotonic()
@@ -279,6 +284,7 @@ class Worker:
         rules += [(p, "execute") for p in sys_path
                   if os.path.isabs(p) and not os.path.realpath(p).startswith(private) and os.path.isdir(p)]
         reply = self.request({"cmd": "sandbox", "off": not use_sandbox, "abi": abi, "seccomp": arch,
+                              "noatime": "noatime" in ATIME_DEFENCES,
                               "rules": [list(r) for r in rules], "rlimits": limits.worker_rlimits(self.limits)})[0]
         applied = reply.get("applied")
         if not isinstance(applied, list) or not all(isinstance(a, str) and SANDBOX_PART.fullmatch(a) for a in applied):
@@ -286,11 +292,32 @@ class Worker:
         self.sandbox_applied = applied
         if shortfall:
             self.not_official_because.append(shortfall)
+        if use_sandbox and "noatime" not in applied:
+            self.not_official_because += self._read_ahead(rules)
         exposed = sandbox.exposed_paths(protected, rules) if use_sandbox and abi else []
         if exposed:
             self.not_official_because.append(f"the worker can read {', '.join(exposed[:3])} (scored data, or what it "
                                               "was built from, under a folder the interpreter or the system needs)")
         self.sandbox_seconds = time.monotonic() - t0
+
+    def _read_ahead(self, rules: list) -> list[str]:
+        """Without a noatime mount namespace: read whatever the worker may read whose access time
+        a read would still move before the deadline (access_times.settle), before any participant
+        code runs. Returns why the run is still not official (what reading ahead cannot cover)."""
+        if "read ahead" not in ATIME_DEFENCES:
+            return ["access times: a worker's reads can move them (no noatime namespace, no reading ahead)"]
+        roots = access_times.readable_roots(rules)
+        seconds_left = self.deadline - time.monotonic()
+        reasons = ["no mount namespace for the worker (the harness lacks CAP_SYS_ADMIN): following a symbolic "
+                   "link outside the folders it may read still moves the link's access time"]
+        if seconds_left > access_times.longest_settled_run_seconds():
+            reasons.append("the deadline is more than a day away: relatime would move access times read a day "
+                           "earlier")
+        strict = access_times.strict_mounts(roots, access_times.mount_table())
+        if strict:
+            reasons.append(f"{', '.join(strict[:3])} is mounted strictatime: every read moves an access time")
+        self.settled = access_times.settle(roots, seconds_left)
+        return reasons
 
     def _pump(self, stream) -> None:
         """Forward the worker's output to our stderr, marked, in lines of at most MAX_LINE_CHARS,

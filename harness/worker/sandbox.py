@@ -4,13 +4,17 @@ Applied inside the worker process (worker_side.py) before any participant code i
 and kept by everything the worker starts (no_new_privs; a Landlock domain and a seccomp filter
 are inherited across fork and exec and cannot be lifted):
 
+- **A mount namespace where nothing moves an access time** (where the worker has CAP_SYS_ADMIN,
+  before it drops it): every mount remounted noatime, so what the worker reads, lists or follows
+  leaves no mark another worker could stat (without it, the harness reads ahead instead:
+  access_times.py).
 - **Linux Landlock** (an unprivileged LSM; its ABI version decides what it can restrict):
   the file system is readable only under the roots the harness names (the interpreter and its
-  packages, the system's libraries and compiler, a few files of /etc, the private copy of the
-  participant's files) and writable only in the worker's private folder (which holds its copy of
-  the kit's harness code); device nodes of the accelerators are opened read-write. TCP bind and
-  connect are refused (ABI 4), and so are signals to, and abstract unix sockets of, processes
-  outside the sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which
+  packages, the system's libraries, compiler and headers and the accelerators' runtimes, the
+  devices of /sys, /proc, a few files of /etc, the private copy of the participant's files) and
+  writable only in the worker's private folder (which holds its copy of the kit's harness code);
+  device nodes of the accelerators are opened read-write. TCP bind and connect are refused (ABI
+  4), and so are signals to, and abstract unix sockets of, processes outside the sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which
   closes /proc/<pid>/mem, /fd and /environ of the harness.
 - **A seccomp filter** for what Landlock does not cover: any new socket (the worker has the
   socket pair the harness gave it); io_uring (its operations do not pass through this filter);
@@ -34,6 +38,7 @@ import ctypes
 import errno
 import os
 import platform
+import re
 import site
 import struct
 import sys
@@ -74,10 +79,17 @@ READ_EXECUTE = READ | FS_EXECUTE
 DEVICE = FS_READ_FILE | FS_WRITE_FILE | FS_IOCTL_DEV | FS_TRUNCATE
 WRITE_ALL = (1 << 16) - 1  # everything, inside the private folder
 
-# Read (and execute) roots besides the interpreter's own: shared libraries, the C compiler that
-# torch.compile calls, certificates and locale data, /sys (CPU topology, PCI devices), /proc (see
-# the module docstring: ptrace checks guard other processes' sensitive files).
-SYSTEM_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt", "/sys", "/proc")
+# Read (and execute) roots besides the interpreter's own: what the dynamic loader, the C compiler
+# that torch.compile calls (its programs, headers, libraries and plugins) and the accelerators'
+# runtimes need, under /usr and, where it is not a link to /usr's, under / (system_roots); /opt
+# and /usr/local (CUDA, Neuron); time zones and certificates; of /sys, the devices and their
+# indexes (CPU topology, PCI, accelerator classes, driver modules), not /sys/kernel or /sys/fs;
+# /proc (ptrace checks guard other processes' sensitive files). Every file readable is a file whose
+# access time or cached pages a worker could use to signal the next one, so the list is short.
+SYSTEM_FOLDERS = ("bin", "sbin", "include", "lib64", "libexec", "lib/{arch}-linux-gnu", "lib/gcc", "lib/locale",
+                  "lib/bfd-plugins", "lib/cpp")
+SYSTEM_ROOTS = ("/opt", "/usr/local", "/usr/share/zoneinfo", "/usr/share/ca-certificates", "/sys/devices",
+                "/sys/bus", "/sys/class", "/sys/dev", "/sys/module", "/proc")
 # Of /etc, only what the dynamic loader, the C library and Python read (no /etc/shadow, no secrets).
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/timezone",
              "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/host.conf", "/etc/hosts", "/etc/gai.conf",
@@ -311,6 +323,45 @@ def apply_seccomp(arch: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# A mount namespace where no access time moves
+# ---------------------------------------------------------------------------------------------
+CLONE_NEWNS = 0x00020000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME = 1, 2, 4, 8, 32, 1024
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+KEPT_MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+
+
+def mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, int]]:
+    """(mount point, the per-mount flags to keep) of every mount, parents first."""
+    found = []
+    with open(mountinfo) as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
+            found.append((point, sum(KEPT_MOUNT_FLAGS.get(o, 0) for o in fields[5].split(","))))
+    return found
+
+
+def remount_noatime() -> list[str]:
+    """Move this process into a mount namespace of its own and remount every mount in it noatime,
+    so that nothing it (or anything it starts) reads, lists or follows updates an access time,
+    the same files seen by every other process included. Needs CAP_SYS_ADMIN; OSError without it.
+    Returns the mount points that could not be remounted (none, or the run is not protected)."""
+    if _libc.unshare(ctypes.c_int(CLONE_NEWNS)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"unshare(CLONE_NEWNS): {os.strerror(e)}")
+    if _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # nothing propagates back out
+        e = ctypes.get_errno()
+        raise OSError(e, f"making the mounts private: {os.strerror(e)}")
+    failed = []
+    for point, kept in mount_points():
+        if _libc.mount(None, point.encode(), None, MS_REMOUNT | MS_BIND | MS_NOATIME | kept, None) != 0:
+            failed.append(point)
+    return failed
+
+
+# ---------------------------------------------------------------------------------------------
 # Capabilities and process attributes
 # ---------------------------------------------------------------------------------------------
 
@@ -372,12 +423,29 @@ def interpreter_roots() -> list[str]:
     return sorted(os.path.realpath(r) for r in roots if os.path.exists(r))
 
 
+def system_roots() -> list[str]:
+    """The system's folders a worker may read and execute (SYSTEM_FOLDERS under /usr, and under /
+    where /lib is not a link into /usr; SYSTEM_ROOTS; every folder the dynamic loader is told to
+    search in /etc/ld.so.conf.d), those that exist."""
+    import glob
+    arch = seccomp_arch() or platform.machine()
+    prefixes = ["/usr"] + ([""] if os.path.isdir("/lib") and not os.path.islink("/lib") else [])
+    roots = [f"{p}/{f.format(arch=arch)}" for p in prefixes for f in SYSTEM_FOLDERS] + list(SYSTEM_ROOTS)
+    for conf in sorted(glob.glob("/etc/ld.so.conf.d/*.conf")):
+        try:
+            with open(conf) as f:
+                roots += [line.strip() for line in f if line.strip().startswith("/")]
+        except OSError:
+            pass
+    return [r for r in dict.fromkeys(roots) if os.path.isdir(r)]
+
+
 def worker_rules(private_dir: Path, submission_dir: Path) -> list:
     """What a worker may touch, as [(path, kind)]: read and execute the interpreter and the system
     roots, read the few files of /etc the C library needs and the submission copy, read-write its
     private folder (which holds its copy of the kit's harness code) and the devices."""
     import glob
-    rules = [(r, "execute") for r in interpreter_roots() + [r for r in SYSTEM_ROOTS if os.path.exists(r)]]
+    rules = [(r, "execute") for r in interpreter_roots() + system_roots()]
     rules += [(f, "read") for f in ETC_FILES if os.path.exists(f)]
     rules += [(str(submission_dir), "read"), (str(private_dir), "write")]
     devices = [d for pattern in DEVICE_GLOBS for d in sorted(glob.glob(pattern))]

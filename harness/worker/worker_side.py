@@ -5,9 +5,10 @@ trusts nothing this process does once that code is loaded; no module of the harn
 The order is what makes the sandbox hold. The harness's requests arrive in this order:
 
     hello     report sys.path (the harness turns it into read rules)
-    sandbox   set the rlimits the harness names (limits.py), and apply the OS sandbox
-              (sandbox.py): from here on, this process and all it starts can read only what
-              the rules name and write only the private folder
+    sandbox   set the rlimits the harness names (limits.py), move into a mount namespace where
+              no access time moves (where the worker has the privilege), and apply the OS
+              sandbox (sandbox.py): from here on, this process and all it starts can read only
+              what the rules name and write only the private folder
     load      import train.py (load_for_eval) or inference.py (load_scorer) from the harness's
               private copy, and load the checkpoint copy
     buffers   map the sealed shared-memory buffers the logits go into (model mode)
@@ -106,12 +107,18 @@ class Server:
 
     def sandbox(self, msg: dict) -> dict:
         """Apply the sandbox the harness asked for; any failure is an error (the harness then stops:
-        participant code never runs in a half-applied sandbox). The rlimits hold with or without
-        the sandbox."""
+        participant code never runs in a half-applied sandbox), but for the noatime namespace,
+        which needs a privilege the worker may lack: its absence is reported (no "noatime"), and
+        the harness reads ahead instead. The rlimits hold with or without the sandbox."""
         limits.apply_rlimits(msg["rlimits"])
         if msg.get("off"):
             return {"applied": []}
-        applied = []
+        applied, noatime = [], False
+        if msg.get("noatime"):  # first: it needs CAP_SYS_ADMIN, and Landlock forbids mounting
+            try:
+                noatime = not sandbox.remount_noatime()
+            except OSError:
+                pass  # no privilege: the harness reads ahead instead (access_times.py)
         sandbox.set_no_new_privs()
         sandbox.drop_capabilities()
         applied.append("capabilities")
@@ -121,7 +128,7 @@ class Server:
         if msg["seccomp"]:
             sandbox.apply_seccomp(msg["seccomp"])
             applied.append("seccomp")
-        return {"applied": applied}
+        return {"applied": applied + ["noatime"] * noatime}
 
     def load(self, msg: dict) -> dict:
         import torch
