@@ -25,6 +25,8 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+from harness.worker.sandbox import read_mountinfo
+
 DAY_NS = 24 * 3600 * 10**9  # relatime updates an atime this old
 SLACK_NS = 60 * 10**9  # the deadline may be passed by a little while the worker is stopped
 NOT_WALKED = {"proc"}  # no folder atimes, no file atimes (tests/test_containment.py checks it)
@@ -54,15 +56,7 @@ class Settled:
 
 def mount_table(mountinfo: str = "/proc/self/mountinfo") -> dict[int, Mount]:
     """st_dev -> the mount of that device (the last one listed wins: it is the one on top)."""
-    mounts = {}
-    with open(mountinfo) as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-")
-            major, minor = (int(x) for x in fields[2].split(":"))
-            mounts[os.makedev(major, minor)] = Mount(fields[4].replace("\\040", " "), fields[sep + 1],
-                                                     set(fields[5].split(",")))
-    return mounts
+    return {dev: Mount(point, fstype, set(options)) for point, dev, fstype, options in read_mountinfo(mountinfo)}
 
 
 def atime_mode(mount: Mount) -> str:

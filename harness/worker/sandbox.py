@@ -332,15 +332,23 @@ KEPT_MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "no
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
 
 
-def mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, int]]:
-    """(mount point, the per-mount flags to keep) of every mount, parents first."""
+def read_mountinfo(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, int, str, list[str]]]:
+    """(mount point, device number, file system type, per-mount options) of every mount, parents
+    first, as /proc/self/mountinfo lists them (octal escapes such as \\040, a space, decoded)."""
     found = []
     with open(mountinfo) as f:
         for line in f:
             fields = line.split()
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
-            found.append((point, sum(KEPT_MOUNT_FLAGS.get(o, 0) for o in fields[5].split(","))))
+            major, minor = (int(x) for x in fields[2].split(":"))
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            found.append((point, os.makedev(major, minor), fields[fields.index("-") + 1], fields[5].split(",")))
     return found
+
+
+def mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, int]]:
+    """(mount point, the per-mount flags to keep) of every mount, parents first."""
+    return [(point, sum(KEPT_MOUNT_FLAGS.get(o, 0) for o in options))
+            for point, _, _, options in read_mountinfo(mountinfo)]
 
 
 def remount_noatime() -> list[str]:
