@@ -1,12 +1,13 @@
 """What containment costs: the official evaluation (train.py's model in a sandboxed worker process,
 logits through sealed shared memory) against the same worker without its sandbox, against the
 sandbox without its noatime mount namespace (the harness reading ahead what a read would move
-instead, as where it lacks CAP_SYS_ADMIN) and against evaluate_bpb on the same model in this
-process: same rows, same checks, measured in the same run, in rotating order, so a shared
-machine's noise hits all of them.
+instead, as where it lacks CAP_SYS_ADMIN), against the contained run that keeps the kernel's caches
+between its workers (FRONTIER_KEEP_KERNEL_CACHES=1: no drop, a warm second start) and against
+evaluate_bpb on the same model in this process: same rows, same checks, measured in the same run,
+in rotating order, so a shared machine's noise hits all of them.
 
     python benchmarks/eval_isolation.py [--checkpoint out/final.pt] [--max-tokens 262144] [--rounds 2]
-                                        [--modes in_process,worker,contained,read_ahead]
+                                        [--modes in_process,worker,contained,read_ahead,kept_caches]
     python benchmarks/eval_isolation.py --readable   # what a worker may read, and reading it ahead twice
 
 Without a checkpoint, a freshly initialised CPU-preset model is saved and used (speed does not
@@ -32,7 +33,7 @@ from harness.worker import harness_side  # noqa: E402
 from random_model import save_random_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("in_process", "worker", "contained", "read_ahead")
+MODES = ("in_process", "worker", "contained", "read_ahead", "kept_caches")
 
 
 def readable():
@@ -72,7 +73,7 @@ def main():
     tokenizer = prepare.ensure_tokenizer()
     seq = prepare.EVAL_SEQ_LEN
     times = {k: [] for k in (*MODES, "total", "start", "sandbox", "copy", "second_load", "second_pass",
-                             "read_ahead_first", "read_ahead_later")}
+                             "read_ahead_first", "read_ahead_later", "drop", "second_load_kept")}
     numbers = {}
     for r in range(args.rounds):
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
@@ -83,6 +84,7 @@ def main():
                                               max_tokens=args.max_tokens)
             else:
                 harness_side.ATIME_DEFENCES = ("read ahead",) if mode == "read_ahead" else ("noatime", "read ahead")
+                os.environ["FRONTIER_KEEP_KERNEL_CACHES"] = "1" if mode == "kept_caches" else "0"
                 with copy_submission(REPO / "train.py", checkpoint) as submission:
                     copied = time.time() - t0
                     result = evaluate_checkpoint(submission, tokenizer, args.batch_size, seq, args.device,
@@ -98,6 +100,10 @@ def main():
                     times["copy"].append(copied)
                     times["second_load"].append(result["workers"][1]["load_seconds"])
                     times["second_pass"].append(result["pass_seconds"][1])
+                    if result["workers"][1]["caches_dropped_seconds"] is not None:
+                        times["drop"].append(result["workers"][1]["caches_dropped_seconds"])
+                if mode == "kept_caches":
+                    times["second_load_kept"].append(result["workers"][1]["load_seconds"])
             times[mode].append(result["eval_seconds"])
             numbers[mode] = result["val_bpb"]
             print(f"round {r} {mode:<10}: eval {result['eval_seconds']:6.1f}s, wall {time.time() - t0:6.1f}s, "
@@ -109,6 +115,10 @@ def main():
                                                          "included)"),
              ("read_ahead_seconds", "read_ahead", "{:.1f}", "(the same without the noatime namespace: the harness "
                                                            "reads ahead)"),
+             ("kept_caches_seconds", "kept_caches", "{:.1f}", "(the same keeping the kernel's caches between the "
+                                                             "workers: not official)"),
+             ("drop_caches_seconds", "drop", "{:.2f}", "(dropping the page cache, dentries and inodes before the "
+                                                      "second worker)"),
              ("contained_total_seconds", "total", "{:.1f}", "(copy, worker start, sandbox and model load included)"),
              ("worker_start_seconds", "start", "{:.2f}", "(interpreter, numpy and torch imports)"),
              ("sandbox_setup_seconds", "sandbox", "{:.4f}", "(the rules, the noatime namespace, applying them)"),
@@ -129,6 +139,11 @@ def main():
     for mode in ("worker", "contained", "read_ahead"):
         if mode in best and "in_process" in best:
             print(f"{mode + '_overhead:':<25}{100 * (best[mode] / best['in_process'] - 1):+.1f} %")
+    if "second_load_kept" in best and "second_load" in best:
+        print(f"second_worker_cold:      {best['second_load']:.2f}s to start and load after the drop, "
+              f"{best['second_load_kept']:.2f}s with the caches kept")
+    if "kept_caches" in best and "contained" in best:
+        print(f"contained_vs_kept:       {100 * (best['contained'] / best['kept_caches'] - 1):+.1f} %")
     if "read_ahead" in best and "contained" in best:
         print(f"read_ahead_vs_contained: {100 * (best['read_ahead'] / best['contained'] - 1):+.1f} %")
 

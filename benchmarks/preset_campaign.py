@@ -62,16 +62,17 @@ class Part:
                 for shape in self.shapes for spec in self.specs for seed in self.seeds]
 
 
-PLAN = [  # in the order run: the parts that decide the preset first, each whole before the next
+PLAN = [  # in the order run: the parts that decide the preset first, each whole before the next (larger-shape
+    # counts steps, not seconds, so its val_bpb does not depend on what else the machine runs)
     Part("ablation", ("now",), ("off", "value-embeds", "windows", "as-is"), (1, 2)),
+    Part("larger-shape", ("d6-w384-s512-b4k",), ("off", "value-embeds+windows"), (1,), max_steps=400,
+         minutes_per_run=20.0),
     Part("bars-150", ("now",), ("as-is",), (1, 2, 3), budget=150.0, minutes_per_run=4.5),
     Part("bars-150", ("nanochat-cpu",), ("off",), (1, 2, 3), budget=150.0, minutes_per_run=4.5),
     Part("shapes-300", SHAPES, ("as-is",), (1, 2)),
     Part("shapes-900", SHAPES, ("as-is",), (1,), budget=900.0, minutes_per_run=17.0),
     Part("shapes-900", ("now",), ("as-is",), (2,), budget=900.0, minutes_per_run=17.0),
     Part("prose-300", SHAPES, ("as-is",), (1, 2), text="prose"),
-    Part("larger-shape", ("d6-w384-s512-b4k",), ("off", "value-embeds+windows"), (1,), max_steps=400,
-         minutes_per_run=20.0),
     Part("ablation", ("now",), ("trigram", "every"), (1,)),
 ]
 

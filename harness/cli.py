@@ -152,7 +152,9 @@ def run_eval(args, rank: int, local_rank: int) -> int:
           f"{1000 * result['sandbox_seconds']:.0f} ms; worker started in {result['worker_start_seconds']:.1f}s)")
     loads = " and ".join(f"{w['load_seconds']:.1f}s" for w in result["workers"])
     passes = " and ".join(f"{t:.1f}s" for t in result["pass_seconds"])
-    print(f"workers:                 {len(result['workers'])} (loaded in {loads}; passes {passes})")
+    dropped = [w["caches_dropped_seconds"] for w in result["workers"][1:] if w["caches_dropped_seconds"] is not None]
+    caches = f"; the kernel's caches dropped before the second in {dropped[0]:.1f}s" if dropped else ""
+    print(f"workers:                 {len(result['workers'])} (loaded in {loads}; passes {passes}{caches})")
     print(f"checkpoint_sha256:       {result['checkpoint_sha256']}")
     print(f"train_py_sha256:         {result['train_py_sha256']}")
     if result["kernels_sha256"]:

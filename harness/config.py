@@ -64,6 +64,9 @@ ENV_NAMES = {
     "out_dir": ("FRONTIER_OUT_DIR", "NEURON_COMPETITION_R1_OUT_DIR"),  # where train.py writes final.pt
     "eval_public": ("FRONTIER_EVAL_PUBLIC", "NEURON_COMPETITION_R1_EVAL_PUBLIC"),  # train.py's end-of-run eval
     "eval_tokens": ("FRONTIER_EVAL_TOKENS", "NEURON_COMPETITION_R1_EVAL_TOKENS"),  # ... and its token count
+    # the kit's own: keep the kernel's caches between an evaluation's workers (a development machine
+    # that must not have them dropped at every evaluation; the result is then not official)
+    "keep_kernel_caches": ("FRONTIER_KEEP_KERNEL_CACHES", None),
 }
 # Names of the organisers' kit that have no counterpart here, and why.
 IGNORED_ENV = {
@@ -77,7 +80,7 @@ IGNORED_ENV = {
 def env_setting(key: str) -> tuple[str | None, str | None]:
     """(value, the variable it came from), or (None, None) when neither name is set."""
     ours, theirs = ENV_NAMES[key]
-    a, b = os.environ.get(ours) or None, os.environ.get(theirs) or None
+    a, b = os.environ.get(ours) or None, (os.environ.get(theirs) or None) if theirs else None
     if a is not None and b is not None and a != b:
         raise ConfigError(f"{ours}={a!r} and {theirs}={b!r} disagree; they mean the same thing: unset one")
     return (a, ours) if a is not None else (b, theirs) if b is not None else (None, None)
@@ -120,6 +123,12 @@ def default_train_eval_public() -> bool:
     """Whether train.py runs its end-of-run evaluation on public_val unless told otherwise."""
     value, name = env_setting("eval_public")
     return True if value is None else _parse_bool(value, name)
+
+
+def keep_kernel_caches() -> bool:
+    """Whether an evaluation keeps the kernel's caches between its workers (default: it drops them)."""
+    value, name = env_setting("keep_kernel_caches")
+    return False if value is None else _parse_bool(value, name)
 
 
 def default_train_eval_tokens() -> int:

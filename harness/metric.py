@@ -47,12 +47,12 @@ import torch
 
 from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
 from harness.common import DataError, EvalRefused, HarnessError
-from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS
+from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS, keep_kernel_caches
 from harness.data import check_shard, read_pinned_shard, shard_pin, source_folder, split_shards
 from harness.loader import pack_rows, shard_document_batches, tokenized_documents
 from harness.submission import Submission
 from harness.tokenizer import Tokenizer, get_token_bytes
-from harness.worker.harness_side import ModelForward, Worker
+from harness.worker.harness_side import ModelForward, Worker, drop_kernel_caches
 from harness.worker.wire import WorkerTimeout, logits_array
 
 # Probes per scored row: the official 20,480 rows get 3,414, of which 3,201 twins. They catch a model
@@ -356,7 +356,8 @@ class _Scorer:
         self.pass_seconds.append(time.time() - t0)
 
     def run(self, open_pass) -> None:
-        """Both passes; open_pass(k) is a context manager giving (forward, compute dtype) for pass k."""
+        """Both passes in one process; open_pass(k) is a context manager giving (forward, compute
+        dtype) for pass k. (score() runs them one by one, in step with the other ranks.)"""
         for k in range(self.PASSES):
             with open_pass(k) as (forward, compute_dtype):
                 self.run_pass(k, forward, compute_dtype)
@@ -399,6 +400,23 @@ def _shared_secret(world: int) -> int:
     return secret[0]
 
 
+def _between_passes(status: str, world: int, then) -> bool:
+    """Whether to run the second pass, the same answer on every rank: every rank's first pass is over
+    (its worker and all it started are dead) before any rank goes on, and only if every one was ok.
+    Then then() runs on every rank, and no second pass starts before every rank's then() is done."""
+    statuses = [status]
+    if world > 1:
+        import torch.distributed as dist
+        statuses = [None] * world
+        dist.all_gather_object(statuses, status, group=_gloo_group())
+    if any(s != "ok" for s in statuses):
+        return False
+    then()
+    if world > 1:
+        dist.barrier(group=_gloo_group())
+    return True
+
+
 def _gather_outcome(outcome: dict, world: int) -> list[dict]:
     if world == 1:
         return [outcome]
@@ -409,11 +427,11 @@ def _gather_outcome(outcome: dict, world: int) -> list[dict]:
 
 
 def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, timeout_seconds: float,
-          t0: float, deadline: float) -> dict:
+          t0: float, deadline: float, between_passes=lambda: None) -> dict:
     """Score the rows of this rank (strided over the process group, if any) with the checks, in
-    the scorer's two passes (open_pass(k): a context manager giving (forward, compute dtype)),
-    gather every rank's per-row sums and add them in row order. EvalRefused on every rank if any
-    rank found a broken check."""
+    the scorer's two passes (open_pass(k): a context manager giving (forward, compute dtype);
+    between_passes() runs on every rank once every rank's first pass is over), gather every rank's
+    per-row sums and add them in row order. EvalRefused on every rank if any rank found a broken check."""
     rank, world = _distributed()
     if len(rows) < world:
         raise HarnessError(f"{len(rows)} rows for {world} ranks: every rank needs a row; score more tokens "
@@ -425,12 +443,16 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
     scorer = _Scorer(rows[mine], token_bytes, batch_size, vocab - len(SPECIAL_TOKENS), deadline,
                      np.random.default_rng(secrets.randbits(128)), cuts)
     status, message = "ok", ""
-    try:
-        scorer.run(open_pass)
-    except EvalRefused as e:
-        status, message = "refused", str(e)
-    except WorkerTimeout:
-        status = "timeout"
+    for k in range(scorer.PASSES):
+        if k > 0 and not _between_passes(status, world, between_passes):
+            break
+        try:
+            with open_pass(k) as (forward, compute_dtype):
+                scorer.run_pass(k, forward, compute_dtype)
+        except EvalRefused as e:
+            status, message = "refused", str(e)
+        except WorkerTimeout:
+            status = "timeout"
     outcome = {"status": status, "message": message, "rows": mine, "nats": scorer.nats, "bytes": scorer.bytes,
                "tokens": scorer.tokens, "worst": scorer.checks.worst, "probes": scorer.checks.probes,
                "twins": scorer.checks.twins,
@@ -516,19 +538,26 @@ def evaluate_checkpoint(submission: Submission, tokenizer: Tokenizer, batch_size
                         local_rank: int = 0, label: str = "worker", use_sandbox: bool = True) -> dict:
     """The official evaluation: the submission's load_for_eval(checkpoint) runs in two sandboxed
     worker processes, one after the other (the second starts once the first and all it started are
-    dead), each seeing only the input rows of its pass; everything else happens here. Everything
-    (the rows, both workers' start and load, the forwards and checks) must finish within
-    timeout_seconds: past it, WorkerTimeout (the workers are gone by then)."""
+    dead on every rank, and the kernel's caches are dropped), each seeing only the input rows of its
+    pass; everything else happens here. Everything (the rows, both workers' start and load, the
+    forwards and checks) must finish within timeout_seconds: past it, WorkerTimeout (the workers are
+    gone by then)."""
     start = time.time()
     deadline = time.monotonic() + timeout_seconds
+    keep_kernel_caches()  # a FRONTIER_KEEP_KERNEL_CACHES that is neither yes nor no fails now, not between the passes
     shards = scored_shards(split, shard_path, shard_sha256)
     rows, digests = evaluation_rows(tokenizer, seq_len, max_tokens, shards)
     protected = [p for p, _ in shards]  # ... and what an offline data set was built from
     protected += [] if shard_path is not None else [f for f in {source_folder(p.parent) for p in protected} if f]
     workers: list[dict] = []
+    dropped: list = []  # (seconds or None, why not official): the kernel's caches, before the second worker
+
+    def between_passes() -> None:
+        dropped.append(drop_kernel_caches() if use_sandbox else (None, []))
 
     @contextlib.contextmanager
     def open_pass(k: int):
+        seconds, reasons = dropped[-1] if k > 0 else (None, [])
         t_worker = time.time()
         with Worker("model", submission, device, deadline=deadline, label=f"{label}" if k == 0 else f"{label}.2",
                     local_rank=local_rank, tokenizer=tokenizer, protected=protected,
@@ -536,15 +565,15 @@ def evaluate_checkpoint(submission: Submission, tokenizer: Tokenizer, batch_size
             forward = ModelForward(worker, batch_size, seq_len, tokenizer.get_vocab_size())
             workers.append({"device": worker.info["device"], "sandbox": worker.sandbox_applied,
                             "start_seconds": worker.start_seconds, "sandbox_seconds": worker.sandbox_seconds,
-                            "load_seconds": time.time() - t_worker,
-                            "not_official_because": worker.not_official_because})
+                            "load_seconds": time.time() - t_worker, "caches_dropped_seconds": seconds,
+                            "not_official_because": reasons + worker.not_official_because})
             try:
                 yield forward, worker.info["compute_dtype"]
             finally:
                 forward.close()
         workers[-1]["seconds"] = time.time() - t_worker
 
-    result = score(open_pass, rows, tokenizer, batch_size, timeout_seconds, start, deadline)
+    result = score(open_pass, rows, tokenizer, batch_size, timeout_seconds, start, deadline, between_passes)
     if result["eval_over_timeout"]:
         raise WorkerTimeout(f"the evaluation did not finish within {timeout_seconds:g}s")
     reasons = list(dict.fromkeys(r for w in workers for r in w["not_official_because"]))

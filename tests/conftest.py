@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import make_text_source, random_documents, run_prepare
+
+# Evaluations keep the kernel's caches between their workers (dropping them is machine-wide and makes
+# every next start cold); the tests of the drop itself set FRONTIER_KEEP_KERNEL_CACHES=0.
+os.environ["FRONTIER_KEEP_KERNEL_CACHES"] = "1"
 
 
 @pytest.fixture(autouse=True)

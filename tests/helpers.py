@@ -73,6 +73,11 @@ def run_prepare(args: list[str], env_extra: dict | None = None, cwd: Path = REPO
                           text=True, timeout=timeout)
 
 
+def can_drop_kernel_caches() -> bool:
+    """Whether this machine lets the harness drop the kernel's caches between workers (root)."""
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
 def prepare_in_process(args: list[str], env_extra: dict, monkeypatch, capsys) -> subprocess.CompletedProcess:
     """`python prepare.py ARGS` run in this process (its exit code and output as run_prepare returns
     them), for what is about the commands' checks and messages, not about the process boundary: the

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from core_bundle import make_bundle
-from helpers import REPO, make_text_source, random_documents, run_prepare
+from helpers import REPO, can_drop_kernel_caches, make_text_source, random_documents, run_prepare
 from hostile import SEQ, TOKENS, evaluate, participant
 from harness.worker import sandbox
 from harness.worker.harness_side import MAX_FORWARDED_BYTES
@@ -1098,3 +1098,106 @@ def test_a_mount_where_every_read_moves_an_access_time_is_named():
     assert access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now, st_ctime_ns=now - 10), now - day)
     assert access_times.would_move(Times(st_atime_ns=now, st_mtime_ns=now - 10, st_ctime_ns=now + 1), now - day)
     assert access_times.would_move(Times(st_atime_ns=now - day, st_mtime_ns=0, st_ctime_ns=0), now - day)
+
+
+# --- the kernel's caches: what the first worker read, the second must not be able to time ------------
+
+PAGE_BOARD = '''
+import os
+import statistics
+import sys
+import time
+
+BOARD = os.environ["SUBMISSION_BOARD"]
+# Four bits in the page cache, beside a marker (cached: a first worker was here): which of four
+# files that nobody had read are cached. A page is cached when its first read is not much slower than
+# a second read of it (uncached: 30 to 260 times slower on the development machine).
+OFFSETS = [k << 20 for k in range(8)]  # 1 MiB apart: each in a readahead window of its own
+
+
+def cached(name):
+    fd = os.open(os.path.join(BOARD, name), os.O_RDONLY)
+    ratios = []
+    for offset in OFFSETS:
+        t0 = time.perf_counter_ns()
+        os.pread(fd, 1, offset)
+        t1 = time.perf_counter_ns()
+        os.pread(fd, 1, offset)
+        ratios.append((t1 - t0) / max(1, time.perf_counter_ns() - t1))
+    os.close(fd)
+    return statistics.median(ratios) < 8
+
+
+if cached("marker"):
+    got = "".join("1" if cached(f"p{i}") else "0" for i in range(4))
+    print("BOARD pages second", got, file=sys.stderr)
+else:
+    sent = "0000"
+    while sent in ("0000", "1111"):
+        sent = format(int.from_bytes(os.urandom(1), "big") % 16, "04b")
+    for i, bit in enumerate(sent):
+        if bit == "1":
+            cached(f"p{i}")
+    print("BOARD pages first", sent, file=sys.stderr)
+
+
+class Cheat(Model):
+    pass
+'''
+
+
+def page_board(tmp_path) -> dict:
+    """Five 8 MiB files on the worker's sys.path that nobody has read since they left the page cache."""
+    folder = tmp_path / "pages"
+    folder.mkdir(parents=True)
+    for name in ("marker", "p0", "p1", "p2", "p3"):
+        with open(folder / name, "wb") as f:
+            f.write(os.urandom(8 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return {"SUBMISSION_BOARD": str(folder), "PYTHONPATH": str(folder)}
+
+
+def test_what_a_worker_reads_leaves_nothing_in_the_page_cache_for_the_next(tmp_path, checkpoint, text_dataset,
+                                                                            honest_runs):
+    """The first worker sends 4 bits by reading chosen files (their pages stay cached); the second
+    times a first and a second read of each. With the kernel's caches dropped between the workers,
+    the second finds nothing cached and takes itself for the first; the control, with the caches
+    kept (FRONTIER_KEEP_KERNEL_CACHES=1, not official), passes all 4 bits."""
+    cheat = participant(tmp_path, "pages", PAGE_BOARD)
+    result, lines = evaluate(cheat, checkpoint, text_dataset,
+                             env={**page_board(tmp_path / "real"), "FRONTIER_KEEP_KERNEL_CACHES": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    roles, _ = board_lines(result.stderr)
+    if can_drop_kernel_caches():
+        assert [r for r, _ in roles["pages"]] == ["first", "first"], roles
+        assert "the kernel's caches dropped before the second in" in lines["workers"], lines
+        assert "kernel's caches" not in lines["official"], lines
+    else:  # not root: the run says it is not official, and why
+        assert "the kernel's caches could not be dropped" in lines["official"], lines
+    assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+    control, control_lines = evaluate(cheat, checkpoint, text_dataset,
+                                      env={**page_board(tmp_path / "control"), "FRONTIER_KEEP_KERNEL_CACHES": "1"})
+    assert control.returncode == 0, control.stderr[-3000:]
+    (first, sent), (second, got) = board_lines(control.stderr)[0]["pages"]
+    assert (first, second) == ("first", "second") and got == sent, (sent, got)
+    assert "kept between the workers (FRONTIER_KEEP_KERNEL_CACHES)" in control_lines["official"], control_lines
+
+
+def test_caches_that_cannot_be_dropped_or_are_kept_make_the_run_not_official(tmp_path, monkeypatch):
+    """The drop's two ways out, each a reason the run is not official (the drop itself is tested
+    end to end above): the setting that keeps the caches, and a machine that refuses the drop."""
+    from harness.worker import harness_side
+    monkeypatch.setenv("FRONTIER_KEEP_KERNEL_CACHES", "1")
+    assert harness_side.drop_kernel_caches() == (None, [
+        "the kernel's caches were kept between the workers (FRONTIER_KEEP_KERNEL_CACHES): the second worker could "
+        "time which files and names the first read"])
+    monkeypatch.setenv("FRONTIER_KEEP_KERNEL_CACHES", "0")
+    monkeypatch.setattr(harness_side, "DROP_CACHES", tmp_path / "no-such-folder" / "drop_caches")
+    seconds, reasons = harness_side.drop_kernel_caches()
+    assert seconds is None and len(reasons) == 1 and "could not be dropped" in reasons[0], reasons
+    assert "No such file or directory; that needs root and a writable /proc/sys" in reasons[0], reasons
+    monkeypatch.setenv("FRONTIER_KEEP_KERNEL_CACHES", "maybe")
+    with pytest.raises(Exception, match="FRONTIER_KEEP_KERNEL_CACHES='maybe': expected 1/0"):
+        harness_side.drop_kernel_caches()

@@ -259,3 +259,24 @@ def test_distributed_evaluate_bpb_gives_the_same_number_at_any_world_size(tmp_pa
     for key in ("val_bpb", "total_nats", "total_bytes", "tokens", "rows"):
         assert two[key] == one[key], key
     assert two["cut_positions"] == 15  # the ranks share one cycle of cut positions
+
+
+@pytest.mark.slow
+def test_a_rank_refused_in_the_first_pass_stops_every_rank_before_the_second(tmp_path, long_shard,
+                                                                             active_text_dataset):
+    """The ranks go from the first pass to the second together (the kernel's caches are dropped in
+    between): when one rank's model is refused in its first pass, every rank is refused with its
+    message, none runs a second pass, and nothing hangs."""
+    import subprocess
+    import sys
+    from helpers import REPO
+    out = tmp_path / "w2.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "tests" / "fixtures" / "dist_eval.py"), str(out), str(long_shard), "16",
+                          str(16 * 200), "nan-on-rank-1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+    ranks = [json.loads((tmp_path / f"w2.json.rank{r}").read_text()) for r in (0, 1)]
+    assert ranks[0]["message"] == ranks[1]["message"] and "NaN" in ranks[0]["message"], ranks
+    assert ranks[0]["forwards"] == 200 // 2 // 4 and ranks[1]["forwards"] <= 2, ranks  # rank 0: its first pass only
+    assert not out.exists()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from harness.common import CoreError, EvalRefused, atomic_write_json, get_dist_info
+from harness.config import keep_kernel_caches
 from harness.core.bundle import EVAL_BUNDLE_URL, Bundle, Task, ensure_bundle, load_examples, load_tasks
 from harness.core.prompts import shuffled_and_capped
 from harness.core.scoring import EXAMPLES_PER_CALL, VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, evaluate_core
@@ -16,7 +17,7 @@ from harness.core.verify import (BIAS_ALPHA, BIAS_COUNTS, DECISION_ALLOWANCE_NAT
                                  VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples)
 from harness.submission import copy_submission
 from harness.tokenizer import ensure_tokenizer
-from harness.worker.harness_side import ModelForward, Worker, score_sequences
+from harness.worker.harness_side import ModelForward, Worker, drop_kernel_caches, score_sequences
 from harness.worker.wire import WorkerTimeout
 
 CORE_TIMEOUT_SECONDS = 3600  # the organisers' limit for CORE; here it covers the workers' loads and the verification too
@@ -93,6 +94,7 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
     if not args.timeout > 0:
         raise CoreError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     deadline = time.monotonic() + args.timeout
+    keep_kernel_caches()  # a FRONTIER_KEEP_KERNEL_CACHES that is neither yes nor no fails now, not between the passes
     protected = [bundle.source] if bundle.sha256 is not None else []
     not_official: list[str] = []
     workers: list[dict] = []  # what each worker cost: its start, its load, all of it
@@ -120,12 +122,13 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
 
                 @contextlib.contextmanager
                 def open_pass(k: int):
+                    dropped, reasons = drop_kernel_caches() if k > 0 and not args.no_sandbox else (None, [])
                     t_worker, label = time.time(), f"train.py{'' if k == 0 else '.2'}"
                     with Worker("model", submission, device, deadline=deadline, label=label, local_rank=local_rank,
                                 tokenizer=tokenizer, protected=protected, use_sandbox=not args.no_sandbox) as w:
                         workers.append({"label": label, "start_seconds": w.start_seconds,
-                                        "load_seconds": time.time() - t_worker})
-                        not_official.extend(w.not_official_because)
+                                        "load_seconds": time.time() - t_worker, "caches_dropped_seconds": dropped})
+                        not_official.extend(reasons + w.not_official_because)
                         forward = ModelForward(w, VERIFY_BATCH_ROWS, max_len, tokenizer.get_vocab_size())
                         try:
                             yield forward, w.info["compute_dtype"]

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.common import EvalRefused
-from harness.config import REPO_DIR
+from harness.config import REPO_DIR, keep_kernel_caches
 from harness.submission import Submission
 from harness.worker import access_times, limits, sandbox, wire
 from harness.worker.wire import LOGIT_DTYPES, WorkerError
@@ -64,6 +64,10 @@ SANDBOX_PART = re.compile(r"noatime|capabilities|seccomp|landlock-[0-9]{1,2}")
 # a mount namespace where every mount is noatime (where the worker has CAP_SYS_ADMIN), else the
 # harness reads ahead whatever a read would move. Tests empty it for a control run.
 ATIME_DEFENCES = ("noatime", "read ahead")
+# What a worker's reads and lookups leave in the kernel's caches (which pages of a readable file are
+# cached, which names were looked up, the missing ones included) outlives it and can be timed by the
+# next worker (README, trust model): before a second worker starts, the harness drops them all.
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 # The worker's environment: only these variables of the harness's (an allowlist: no credentials, no
 # data locations), less the hidden ones: data and output locations, and torchrun's (the worker is one
 # single-device process; it must not join the harness's process group). SUBMISSION_* variables are
@@ -176,6 +180,25 @@ def _reap(pid: int) -> bool:
         return os.waitpid(pid, os.WNOHANG)[0] == pid
     except ChildProcessError:
         return True
+
+
+def drop_kernel_caches() -> tuple[float | None, list[str]]:
+    """Drop the page cache, the dentries (negative ones included) and the inodes, machine-wide,
+    once a worker and all it started are dead and before the next worker starts: then nothing the
+    first read or looked up is faster for the second. Root only (and the whole machine's caches go:
+    score on a machine of its own). Returns (the seconds it took or None, why the run is not official)."""
+    if keep_kernel_caches():
+        return None, ["the kernel's caches were kept between the workers (FRONTIER_KEEP_KERNEL_CACHES): the "
+                      "second worker could time which files and names the first read"]
+    t0 = time.monotonic()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")  # 1: clean page cache, 2: dentries and inodes
+    except OSError as e:
+        return None, [f"the kernel's caches could not be dropped between the workers ({DROP_CACHES}: "
+                      f"{e.strerror}; that needs root and a writable /proc/sys): the second worker could time "
+                      "which files and names the first read"]
+    return time.monotonic() - t0, []
 
 
 # ---------------------------------------------------------------------------------------------
