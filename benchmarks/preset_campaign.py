@@ -6,6 +6,7 @@ prints one markdown table per question from what is there.
 
     python benchmarks/preset_campaign.py status
     python benchmarks/preset_campaign.py run --commit          # alone on the machine; stop it at any time
+    python benchmarks/preset_campaign.py run --commit --only larger-shape   # fixed steps: may share the machine
     python benchmarks/preset_campaign.py tables
 
 The plan, about 5.3 hours on the 2-core machine, and why each part:
@@ -91,12 +92,12 @@ def status() -> None:
     print(f"about {left_minutes / 60:.1f} hours of runs left (alone on the 2-core machine)")
 
 
-def run(commit: bool) -> None:
+def run(commit: bool, only: str | None) -> None:
     subprocess.run([sys.executable, str(REPO / "prepare.py"), "setup", "--source", "stdlib"], check=True, cwd=REPO)
-    if any(part.text == "prose" for part in PLAN) and not (PROSE / "data").exists():
+    if any(part.text == "prose" and only in (None, part.question) for part in PLAN) and not (PROSE / "data").exists():
         subprocess.run([sys.executable, str(REPO / "benchmarks" / "prose_corpus.py"), "--out", str(PROSE)], check=True)
     for part in PLAN:
-        if all(table().find(k) is not None for k in part.keys()):
+        if (only and part.question != only) or all(table().find(k) is not None for k in part.keys()):
             continue
         for key in part.keys():  # one run per sweep, so that each finished run is committed at once
             if table().find(key) is not None:
@@ -140,8 +141,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("status", "run", "tables"))
     parser.add_argument("--commit", action="store_true", help="git commit the results table after each run")
+    parser.add_argument("--only", choices=list(dict.fromkeys(part.question for part in PLAN)), default=None,
+                        help="run one question's part(s) only (larger-shape counts steps, so it may share the machine)")
     args = parser.parse_args()
-    {"status": status, "tables": tables}.get(args.what, lambda: run(args.commit))()
+    {"status": status, "tables": tables}.get(args.what, lambda: run(args.commit, args.only))()
     return 0
 
 
