@@ -224,13 +224,21 @@ class Server:
             wire.send(self.sock, reply, data)
 
 
-def main() -> int:
+def main() -> None:
     sandbox.die_with_parent(signal.SIGKILL)
     sock = socket.socket(fileno=int(sys.argv[1]))
     import torch  # noqa: F401  (trusted code, before the sandbox: the import needs nothing later)
     Server(sock).serve()
-    return 0
+    # Done: the harness kills this process group next. Skip the interpreter's teardown (collecting
+    # torch's objects takes about 0.5 s, which every evaluation would wait for twice) and run no
+    # participant finaliser after the last answer; only the output is flushed first.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
