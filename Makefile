@@ -4,6 +4,7 @@
 # skip make and run the commands of the README directly.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TEST_PROCS ?= 2  # test processes side by side (pytest-xdist), one per core
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -21,6 +22,6 @@ demo: install
 	$(PY) prepare.py eval-public --train-py train.py --checkpoint out/final.pt
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadgroup tests
 
 .PHONY: install demo test

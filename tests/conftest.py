@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +17,28 @@ from helpers import make_text_source, random_documents, run_prepare
 os.environ["FRONTIER_KEEP_KERNEL_CACHES"] = "1"
 
 
+def _one_thread_per_test_process() -> None:
+    """Under pytest-xdist (`make test` runs `-n 2`, one test process per core): one matmul thread in each
+    test process and all it starts, so that two processes' thread pools do not spin against each other
+    for the same cores. Not pinned: a test of CPU slots (tests/test_autoresearch_slots.py) needs every
+    core, and a test that starts several processes (torchrun) may use both."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+_one_thread_per_test_process()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort: each group keeps its order), so that under pytest-xdist the
+    long ones start early and the short ones fill in at the end, instead of one process finishing a
+    long test while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
     """No test reads or writes the user's cache."""
@@ -22,25 +47,47 @@ def isolated_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name` that build(folder) fills, built once per run of the suite: under pytest-xdist
+    the first test process that needs it builds it while the others wait on a lock, then all read it
+    (session fixtures are otherwise per process). What build makes is only read afterwards."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each test process's own
+    folder, done = root / f"once-{name}", root / f"once-{name}.done"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 def _setup(tmp_root, source_args):
     cache = tmp_root / "cache"
     result = run_prepare(["setup", *source_args], {"FRONTIER_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stdout + result.stderr
-    return Path(json.loads((cache / "active.json").read_text())["dataset_dir"])
+
+
+def _dataset_dir(tmp_root) -> Path:
+    return Path(json.loads((tmp_root / "cache" / "active.json").read_text())["dataset_dir"])
 
 
 @pytest.fixture(scope="session")
 def text_dataset(tmp_path_factory):
     """600 generated documents as a dir: source, with the shipped tokenizer: 2 shards."""
-    root = tmp_path_factory.mktemp("text_dataset")
-    source = make_text_source(root / "source", random_documents(600, seed=1))
-    return _setup(root, ["--source", f"dir:{source}", "--tokenizer", "stdlib"])
+    def build(root):
+        source = make_text_source(root / "source", random_documents(600, seed=1))
+        _setup(root, ["--source", f"dir:{source}", "--tokenizer", "stdlib"])
+    return _dataset_dir(built_once(tmp_path_factory, "text_dataset", build))
 
 
 @pytest.fixture(scope="session")
 def stdlib_dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stdlib_dataset")
-    return _setup(root, ["--source", "stdlib"])
+    return _dataset_dir(built_once(tmp_path_factory, "stdlib_dataset",
+                                   lambda root: _setup(root, ["--source", "stdlib"])))
 
 
 TINY_MODEL_ARGS = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "128",
@@ -54,17 +101,17 @@ TINY_TRAIN_ARGS = TINY_MODEL_ARGS + ["--peak-tflops", "0.1"]
 @pytest.fixture(scope="session")
 def tiny_training(tmp_path_factory, text_dataset):
     """A tiny model trained for 60 steps on the generated text: (checkpoint path, stdout)."""
-    import os
-    import subprocess
-    import sys
     from helpers import REPO
-    out = tmp_path_factory.mktemp("trained")
-    env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_MODEL_ARGS, "--max-steps", "60",
-                             "--time-budget", "600", "--out-dir", str(out / "out")], cwd=out, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return out / "out" / "final.pt", result.stdout
+
+    def build(out):
+        env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), PYTHONPATH=str(REPO))
+        result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_MODEL_ARGS, "--max-steps", "60",
+                                 "--time-budget", "600", "--out-dir", str(out / "out")], cwd=out, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        (out / "stdout.txt").write_text(result.stdout)
+    out = built_once(tmp_path_factory, "tiny_training", build)
+    return out / "out" / "final.pt", (out / "stdout.txt").read_text()
 
 
 @pytest.fixture(scope="session")
@@ -76,19 +123,24 @@ def tiny_checkpoint(tiny_training):
 def checkpoint(tmp_path_factory):
     """The weights of the hostile participants' bigram (tests/hostile.py)."""
     import torch
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt") / "final.pt"
-    torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}}, path)
-    return str(path)
+
+    def build(folder):
+        torch.manual_seed(0)
+        torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.3}},
+                   folder / "final.pt")
+    return str(built_once(tmp_path_factory, "checkpoint", build) / "final.pt")
 
 
 @pytest.fixture(scope="session")
 def honest(tmp_path_factory, checkpoint, text_dataset):
     """The honest bigram's result lines through eval-public at the short test context."""
     from hostile import evaluate, participant
-    result, lines = evaluate(participant(tmp_path_factory.mktemp("honest"), "train"), checkpoint, text_dataset)
-    assert result.returncode == 0, result.stderr
-    return lines
+
+    def build(folder):
+        result, lines = evaluate(participant(folder, "train"), checkpoint, text_dataset)
+        assert result.returncode == 0, result.stderr
+        (folder / "lines.json").write_text(json.dumps(lines))
+    return json.loads((built_once(tmp_path_factory, "honest", build) / "lines.json").read_text())
 
 
 @pytest.fixture
@@ -114,11 +166,11 @@ def train_main(monkeypatch, text_dataset):
 def two_rank_steps(tmp_path_factory):
     """tests/fixtures/one_step.py and sharded_step.py under one torchrun of 2 processes (the CI's standard):
     the folder with their results (ddp.pt; rank0.pt, rank1.pt)."""
-    import subprocess
     from helpers import REPO
-    out = tmp_path_factory.mktemp("two_rank_steps")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "tests" / "fixtures" / "two_rank_steps.py"), str(out)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return out
+
+    def build(out):
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 str(REPO / "tests" / "fixtures" / "two_rank_steps.py"), str(out)],
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return built_once(tmp_path_factory, "two_rank_steps", build)

@@ -291,6 +291,7 @@ def test_a_download_that_is_not_a_zip_fails_clearly(tmp_path, isolated_cache, mo
 # --- the real inference.py ------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("kernel-caches")  # its drop would empty the page-cache test's board
 def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path, text_dataset, tiny_checkpoint):
     """The official path: the pinned archive (served locally), the kit's inference.py, verification on,
     the kernel's caches dropped before the second verifying worker (where the harness may)."""
