@@ -14,9 +14,6 @@ from helpers import REPO, commit_new_repo, git
 
 KIT_FILES = ["prepare.py", "harness", "train.py", ".gitignore", "tokenizer", "kernels", "autoresearch/loop.py",
              "autoresearch/slots.py", "autoresearch/results.py", "autoresearch/run.sh", "autoresearch/program.md"]
-FROZEN = {f"\n    {name}: float = {value} ": f"\n    {name}: float = 0.0 " for name, value in
-          (("embedding_lr", 0.6), ("unembedding_lr", 0.004), ("matrix_lr", 0.04), ("scalar_lr", 0.5))}
-
 
 
 def edit_and_commit(repo, replacements: dict, message: str):
@@ -57,23 +54,19 @@ STEPS = "\n    max_steps: int = 0 "
 
 
 @pytest.mark.slow
-def test_the_real_kit_end_to_end_then_a_frozen_copy_is_discarded(kit_repo, text_dataset):
-    """The loop over the real train.py and the contained eval-public: a baseline that learns is kept, a copy
-    whose learning rates are all 0 scores worse and is discarded, the branch stays at the baseline, the run's
-    log and the plot are written and ignored by git. The loop's other verdicts (crash, timeout) and two slots:
-    tests/test_autoresearch_slots.py, on stand-ins."""
+def test_the_real_kit_end_to_end(kit_repo, text_dataset):
+    """One run of the loop over the real train.py and the contained eval-public: the baseline learns a finite
+    score and is kept, the branch stays at it, the run's log and the plot are written and ignored by git. The
+    loop's other verdicts (discard, crash, timeout) and two slots: tests/test_autoresearch_slots.py, on
+    stand-ins; that the real model learns: tests/test_train.py (its loss far below the unigram entropy)."""
     baseline = edit_and_commit(kit_repo, {STEPS: "\n    max_steps: int = 12 "}, "baseline: 12 steps")
-    fixed = ("--budget", "60", "--timeout", "120")  # a fixed number of steps, far inside the budget
-    result = run_loop(kit_repo, text_dataset, *fixed)
-    assert result.returncode == 0, result.stdout + result.stderr
-    frozen = edit_and_commit(kit_repo, FROZEN, "frozen weights")
-    result = run_loop(kit_repo, text_dataset, *fixed)
-    assert result.returncode == 0 and "discarded" in result.stdout, result.stdout + result.stderr
+    result = run_loop(kit_repo, text_dataset, "--budget", "60", "--timeout", "120")  # 12 steps, far inside it
+    assert result.returncode == 0 and "kept" in result.stdout, result.stdout + result.stderr
     assert git(kit_repo, "rev-parse", "--short=7", "HEAD") == baseline
 
     r = rows(kit_repo)
-    assert [(x["commit"], x["status"], x["slot"]) for x in r] == [(baseline, "keep", "0"), (frozen, "discard", "0")]
-    assert 0 < float(r[0]["val_bpb"]) < float(r[1]["val_bpb"])
+    assert [(x["commit"], x["status"], x["slot"]) for x in r] == [(baseline, "keep", "0")]
+    assert 0 < float(r[0]["val_bpb"]) < 20
     assert float(r[0]["memory_gb"]) > 0
     png = kit_repo / "autoresearch" / "progress.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
