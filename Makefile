@@ -4,7 +4,8 @@
 # skip make and run the commands of the README directly.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
-TEST_PROCS ?= 2  # test processes side by side (pytest-xdist), one per core
+# test processes side by side (pytest-xdist), one per core
+TEST_PROCS ?= 2
 VENV := .venv
 PY := $(VENV)/bin/python
 

@@ -252,36 +252,13 @@ def test_core_moved_towards_gold_within_the_tolerances_is_refused(tmp_path, text
 
 
 @pytest.mark.slow
-def test_core_moved_towards_gold_is_refused_on_the_command_line(tmp_path, text_dataset, tiny_checkpoint,
-                                                                 monkeypatch):
-    """The issue's row through eval-core: 0.045 nats towards every gold answer. Unverified, it scores
-    higher than the honest scorer; verified, it is refused for its lean, with nothing else wrong."""
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
-    bundle = make_bundle(tmp_path, NEAR_TIE_TASKS, make_near_tie_examples)
-    max_len = int(kit_model(tiny_checkpoint).cos.shape[1])
-    forged = towards_gold(tmp_path, bundle, prepare.ensure_tokenizer(), max_len, 0.045)
-    base = ["eval-core", "--checkpoint", str(tiny_checkpoint), "--train-py", str(REPO / "train.py"),
-            "--bundle-dir", str(bundle)]
-    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
-    core = {}
-    for name, inference_py in (("honest", REPO / "inference.py"), ("forged", forged)):
-        report = tmp_path / f"{name}.json"
-        result = run_prepare(base + ["--inference-py", str(inference_py), "--verify-fraction", "0", "--report",
-                                     str(report)], env)
-        assert result.returncode == 0, result.stderr[-2000:]
-        core[name] = json.loads(report.read_text())["core"]
-    assert core["forged"] > core["honest"] + 0.1  # the shift flips near-ties to gold: unverified, it pays
-    result = run_prepare(base + ["--inference-py", str(forged)], env)
-    assert result.returncode == 1 and "core:" not in result.stdout, result.stdout
-    assert LEAN_REFUSAL in result.stderr and "must score the trained model" in result.stderr
-    assert "Traceback" not in result.stderr and "differs from the trusted" not in result.stderr
-
-
-@pytest.mark.slow
 def test_under_torchrun_the_lean_of_every_rank_is_tested_together(tmp_path, text_dataset, tiny_checkpoint,
                                                                   monkeypatch):
-    """Two ranks, each verifying its own share: the honest scorer passes and the summary counts both
-    ranks' examples; the forger at 0.045 nats is refused, by one error, on the counts of both."""
+    """The issue's row through eval-core, on two ranks each verifying its own share: the honest scorer
+    passes and the summary counts both ranks' examples; the forger at 0.045 nats towards every gold
+    answer is refused for its lean, with nothing else wrong, by one error, on the counts of both. (That
+    it pays unverified: test_core_moved_towards_gold_within_the_tolerances_is_refused, at the same shift
+    through the same scoring.)"""
     import os
     import subprocess
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
@@ -303,6 +280,8 @@ def test_under_torchrun_the_lean_of_every_rank_is_tested_together(tmp_path, text
     assert honest.stdout.count("verify_lean:") == 1
     assert forged_run.returncode != 0 and "core:" not in forged_run.stdout
     assert LEAN_REFUSAL in forged_run.stderr and "of the 30 verified examples whose answers lean" in forged_run.stderr
+    assert "must score the trained model" in forged_run.stderr and "differs from the trusted" not in forged_run.stderr
+    assert "Traceback" not in forged_run.stderr.split("error:")[0]  # the harness's error, not a crash
 
 
 def test_the_sign_test_refuses_only_what_fair_coins_would_not_do():

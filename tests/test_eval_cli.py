@@ -70,18 +70,18 @@ def test_clear_errors(tmp_path, text_dataset, checkpoint, monkeypatch, capsys):
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.slow
-def test_no_dataset_set_up_is_a_clear_error(checkpoint, isolated_cache):
-    result = run_prepare(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint)],
-                         {"FRONTIER_CACHE_DIR": str(isolated_cache)})
+def test_no_dataset_set_up_is_a_clear_error(checkpoint, isolated_cache, monkeypatch, capsys):
+    result = prepare_in_process(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint)],
+                                {"FRONTIER_CACHE_DIR": str(isolated_cache)}, monkeypatch, capsys)
     assert result.returncode == 1 and "python prepare.py setup --source stdlib" in result.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("command", ["setup", "eval-public", "eval"])
-def test_help(command):
-    result = run_prepare([command, "--help"])
-    assert result.returncode == 0 and "--" in result.stdout
+@pytest.mark.parametrize("command", ["setup", "eval-public", "eval", "eval-core"])
+def test_help(command, capsys):
+    from harness import cli
+    with pytest.raises(SystemExit) as e:  # argparse's --help
+        cli.main([command, "--help"])
+    assert e.value.code == 0 and "--" in capsys.readouterr().out
 
 
 @pytest.mark.slow

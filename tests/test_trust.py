@@ -20,48 +20,19 @@ from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
 
 pytestmark = pytest.mark.slow  # every test here runs the contained evaluation end to end
 
-ATTACKS = {
-    # peeks everywhere except the three fixed cut points of the old check
-    "peek_except_fixed_cuts": f'''
-class Cheat(Model):
-    def forward(self, idx):
-        logits = peek(idx, self.honest(idx))
-        honest = self.honest(idx)
-        for c in (1, {SEQ} // 2, {SEQ} - 1):
-            logits[:, c - 1] = honest[:, c - 1]
-        return logits
-''',
-    # honest in the first forwards (where the old check ran), peeks afterwards
-    "peek_after_warmup": '''
+# A model that reads ahead, honest in its first forwards (where an old check ran) and peeking afterwards:
+# in the command line each worker counts its own forwards, so it is the one attack whose behaviour depends
+# on the split into workers. The stateless ones (peeking everywhere but at the fixed cut points, only on
+# rows that repeat tokens as real text does, with a -1e7 logit on a never-scored special token) meet the
+# same checks in tests/test_metric.py::test_models_that_hide_their_peeking_are_refused.
+READS_AHEAD_AFTER_WARMUP = '''
 class Cheat(Model):
     calls = 0
 
     def forward(self, idx):
         Cheat.calls += 1
         return peek(idx, self.honest(idx)) if Cheat.calls > 3 else self.honest(idx)
-''',
-    # peeks only on rows that repeat tokens, as real text does and random rows almost never do
-    "peek_on_real_text": '''
-class Cheat(Model):
-    def forward(self, idx):
-        logits = self.honest(idx)
-        for b in range(idx.shape[0]):
-            if len(set(idx[b].tolist())) < 0.9 * idx.shape[1]:
-                logits[b] = peek(idx[b:b + 1], logits[b:b + 1])[0]
-        return logits
-''',
-    # peeks, with one logit of -1e7 on a special token that is never scored
-    "peek_huge_special_logit": '''
-class Cheat(Model):
-    def forward(self, idx):
-        logits = peek(idx, self.honest(idx))
-        logits[..., V - 1] = -1e7
-        return logits
-''',
-}
-
-# these change their answers over the run rather than per row
-STATEFUL = {"peek_after_warmup"}
+'''
 
 GAINS_NOTHING = {
     # rebinds the harness's functions and torch's losses when it is imported
@@ -115,15 +86,13 @@ class Cheat(Model):
 }
 
 
-@pytest.mark.parametrize("attack", sorted(ATTACKS))
-def test_a_model_that_reads_ahead_is_refused(tmp_path, checkpoint, text_dataset, attack):
-    result, lines = evaluate(participant(tmp_path, attack, ATTACKS[attack]), checkpoint, text_dataset)
+def test_a_model_that_reads_ahead_after_its_first_forwards_is_refused(tmp_path, checkpoint, text_dataset):
+    result, lines = evaluate(participant(tmp_path, "peek_after_warmup", READS_AHEAD_AFTER_WARMUP), checkpoint,
+                             text_dataset)
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
-    if attack in STATEFUL:  # honest at first, so whichever check meets the change first refuses it
-        assert re.search(r"\(check (causality|batch_content|replay|batch_size): ", result.stderr), result.stderr
-    else:
-        assert "not causal" in result.stderr, result.stderr
+    # honest at first, so whichever check meets the change first refuses it
+    assert re.search(r"\(check (causality|batch_content|replay|batch_size): ", result.stderr), result.stderr
     assert "val_bpb" not in lines
 
 
