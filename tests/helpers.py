@@ -78,28 +78,37 @@ def can_drop_kernel_caches() -> bool:
     return os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
-def prepare_in_process(args: list[str], env_extra: dict, monkeypatch, capsys) -> subprocess.CompletedProcess:
-    """`python prepare.py ARGS` run in this process (its exit code and output as run_prepare returns
-    them), for what is about the commands' checks and messages, not about the process boundary: the
-    scorer's own process hygiene (undumpable, SIGTERM) stays the real process's, tested through it."""
+def prepare_in_process(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """`python prepare.py ARGS` run in this process, its exit code and output as run_prepare returns them:
+    for what is not about the harness's own process (the commands' checks and messages, what a worker may
+    do: workers are real sandboxed processes either way). The scorer's process hygiene (undumpable,
+    SIGTERM, what a worker can see of its parent) stays the real process's, tested through run_prepare.
+    The environment, the temporary folder and SIGTERM's handler are put back afterwards."""
+    import contextlib
+    import io
     import signal
+    import tempfile
+    from unittest import mock
     from harness import cli
-    for name, value in env_extra.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cli, "make_undumpable", lambda: None)
-    capsys.readouterr()
-    sigterm = signal.getsignal(signal.SIGTERM)
+    saved_env, saved_tempdir, sigterm = dict(os.environ), tempfile.tempdir, signal.getsignal(signal.SIGTERM)
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.update(env_extra or {})
+    tempfile.tempdir = None  # TMPDIR as this call's environment has it
     try:
-        code = cli.main(list(args))
+        with mock.patch.object(cli, "make_undumpable", lambda: None), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            code = cli.main(list(args))
     finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        tempfile.tempdir = saved_tempdir
         signal.signal(signal.SIGTERM, sigterm)
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(["prepare.py", *args], code, out.out, out.err)
+    return subprocess.CompletedProcess(["prepare.py", *args], code, out.getvalue(), err.getvalue())
 
 
-def setup_in_process(args: list[str], env_extra: dict, monkeypatch, capsys) -> subprocess.CompletedProcess:
+def setup_in_process(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """`python prepare.py setup ARGS` in this process (prepare_in_process)."""
-    return prepare_in_process(["setup", *args], env_extra, monkeypatch, capsys)
+    return prepare_in_process(["setup", *args], env_extra)
 
 
 # --- toy models for the metric ------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from helpers import run_prepare
+from helpers import prepare_in_process, run_prepare
 
 SEQ = 64  # a short context keeps every run fast; it is reported as unofficial, the checks are the same
 TOKENS = SEQ * 160
@@ -60,11 +60,15 @@ def participant(tmp_path, name: str, cheat: str | None = None) -> str:
     return str(path)
 
 
-def evaluate(train_py, checkpoint, dataset, *extra, command=("eval-public",), env=None):
-    """(the completed `prepare.py eval-public` run, its result lines) at the short test context."""
-    result = run_prepare([*command, "--train-py", train_py, "--checkpoint", checkpoint, "--device", "cpu",
-                          "--seq-len", str(SEQ), "--max-tokens", str(TOKENS), *extra],
-                         {"FRONTIER_DATA_DIR": str(dataset), **(env or {})})
+def evaluate(train_py, checkpoint, dataset, *extra, command=("eval-public",), env=None, own_process=True):
+    """(the completed `prepare.py eval-public` run, its result lines) at the short test context. With
+    own_process=False the harness runs in this process (prepare_in_process): for an attack on the
+    checks or through the worker's answers, where the harness's own process is not what is attacked
+    (its workers are the same sandboxed processes)."""
+    run = run_prepare if own_process else prepare_in_process
+    result = run([*command, "--train-py", train_py, "--checkpoint", checkpoint, "--device", "cpu",
+                  "--seq-len", str(SEQ), "--max-tokens", str(TOKENS), *extra],
+                 {"FRONTIER_DATA_DIR": str(dataset), **(env or {})})
     lines = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in result.stdout.splitlines()
                                                if ":" in line and not line.startswith("["))}
     return result, lines

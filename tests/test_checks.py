@@ -1,7 +1,7 @@
 """Checks no model can dodge, and that every honest model passes: each attack is a hostile train.py
-or inference.py driven through the command line (with a control that shows it works where the
-check does not reach), and the kit's own checkpoint, in fp32 and bf16, passes every check under
-many secrets."""
+or inference.py driven through the command line (the harness in this process: what is attacked is the
+checks, through the sandboxed workers; with a control that shows it works where the check does not
+reach), and the kit's own checkpoint, in fp32 and bf16, passes every check under many secrets."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +23,7 @@ from harness.core.prompts import build_request, shuffled_and_capped
 from harness.core.scoring import evaluate_core
 from harness.core.verify import VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples
 from harness import metric as M
-from helpers import REPO, run_prepare
+from helpers import REPO, prepare_in_process
 from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
 
 HUGE = '''
@@ -70,7 +70,7 @@ def load_participant_module(path: str, name: str):
 
 def test_huge_finite_logits_are_refused_on_every_path(tmp_path, checkpoint, text_dataset, monkeypatch):
     cheat = participant(tmp_path, "huge", HUGE.format(size="3e38"))
-    result, lines = evaluate(cheat, checkpoint, text_dataset)
+    result, lines = evaluate(cheat, checkpoint, text_dataset, own_process=False)
     assert result.returncode == 1 and "val_bpb" not in lines
     assert "non-finite logits (NaN or inf) or logits beyond +-1e+30" in result.stderr
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
@@ -86,7 +86,8 @@ def test_huge_finite_logits_are_refused_on_every_path(tmp_path, checkpoint, text
 @pytest.mark.slow
 def test_large_logits_within_the_limit_are_compared_and_caught(tmp_path, checkpoint, text_dataset):
     """1e29 passes the range check; every difference stays a number, so reading ahead shows."""
-    result, lines = evaluate(participant(tmp_path, "large", HUGE.format(size="1e29")), checkpoint, text_dataset)
+    result, lines = evaluate(participant(tmp_path, "large", HUGE.format(size="1e29")), checkpoint, text_dataset,
+                             own_process=False)
     assert result.returncode == 1 and "val_bpb" not in lines
     assert "not causal" in result.stderr and "check causality" in result.stderr
     message = result.stderr.split("error: ", 1)[1]
@@ -101,8 +102,9 @@ def test_core_with_huge_logits_is_refused(tmp_path, text_dataset, checkpoint):
     (kit / "train.py").write_text(Path(participant(tmp_path, "huge", HUGE.format(size="3e38"))).read_text())
     (kit / "inference.py").write_text((REPO / "inference.py").read_text().replace(
         "self.max_seq_len = model.cos.shape[1]", "self.max_seq_len = None"))
-    result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint", checkpoint,
-                          "--bundle-dir", str(make_bundle(tmp_path))], {"FRONTIER_DATA_DIR": str(text_dataset)})
+    result = prepare_in_process(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
+                                 checkpoint, "--bundle-dir", str(make_bundle(tmp_path))],
+                                {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 1, result.stdout
     assert "core:" not in result.stdout
     assert "logits beyond" in result.stderr or "non-finite losses" in result.stderr
@@ -119,7 +121,7 @@ def test_a_model_that_remembers_is_caught_by_probes_it_never_saw_the_original_of
     in_process = prepare.evaluate_bpb(model, prepare.ensure_tokenizer(), 8, SEQ, "cpu", max_tokens=TOKENS)
     assert in_process["val_bpb"] < 0.5 * float(honest["val_bpb"])  # one process: it answers every probe as it should
     for _ in range(2):  # the command line: a probe never runs in the worker that saw its original
-        result, lines = evaluate(cheat, checkpoint, text_dataset)
+        result, lines = evaluate(cheat, checkpoint, text_dataset, own_process=False)
         assert result.returncode == 1 and "val_bpb" not in lines, result.stdout
         assert "not causal" in result.stderr or "rows must not interact" in result.stderr
 
@@ -365,12 +367,12 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
     assert refusals == []
     kit = kit_with_dtype(tmp_path / "kit", dtype)
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
-    result = run_prepare(["eval-public", "--train-py", str(kit / "train.py"), "--checkpoint", str(tiny_checkpoint),
-                          "--seq-len", "128", "--max-tokens", str(128 * 24)], env)
+    result = prepare_in_process(["eval-public", "--train-py", str(kit / "train.py"), "--checkpoint",
+                                 str(tiny_checkpoint), "--seq-len", "128", "--max-tokens", str(128 * 24)], env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"compute_dtype:           {'float32' if dtype == 'fp32' else 'bfloat16'}" in result.stdout
-    result = run_prepare(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
-                          str(tiny_checkpoint), "--bundle-dir", str(near), "--verify-fraction", "1"], env)
+    result = prepare_in_process(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
+                                 str(tiny_checkpoint), "--bundle-dir", str(near), "--verify-fraction", "1"], env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "verify_lean:         answers " in result.stdout
 

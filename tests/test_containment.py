@@ -1,5 +1,8 @@
 """Containment, tried as a hostile participant would: each attack is a train.py (or inference.py)
-driven through the command line, and each is refused with a clear message or gains nothing.
+driven through the command line (the harness in its own process wherever the attack reaches for it:
+its command line, environment, memory, output, files or children; in this process where what is
+tried is the worker's own reach, its replies or its caps), and each is refused with a clear message
+or gains nothing.
 Where an attack works without the sandbox, a control run with --no-sandbox shows that it does,
 so the test can fail. An honest model gets the same number contained, uncontained and in process."""
 from __future__ import annotations
@@ -321,7 +324,8 @@ FORGERIES = {
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_a_forged_reply_is_one_clear_error(tmp_path, checkpoint, text_dataset, forgery):
     code, message = FORGERIES[forgery]
-    result, lines = evaluate(participant(tmp_path, forgery, FORGED_REPLY.format(forge=code)), checkpoint, text_dataset)
+    result, lines = evaluate(participant(tmp_path, forgery, FORGED_REPLY.format(forge=code)), checkpoint, text_dataset,
+                             own_process=False)
     assert_refused(result, lines, message)
     assert "0.010000" not in result.stdout and "Traceback" not in result.stderr
 
@@ -388,7 +392,7 @@ def test_special_files_are_refused_before_anything_runs(tmp_path, checkpoint, te
              ([str(kit / "train.py"), checkpoint], "is a symbolic link")]
     for (train_py, ckpt), message in cases:
         t0 = time.time()
-        result, lines = evaluate(train_py, ckpt, text_dataset)
+        result, lines = evaluate(train_py, ckpt, text_dataset, own_process=False)
         assert_refused(result, lines, message)
         assert time.time() - t0 < 60
 
@@ -399,7 +403,7 @@ def test_the_kernels_folder_is_copied_and_hashed(tmp_path, checkpoint, text_data
     (kit / "kernels" / "__init__.py").write_text("SCALE = 1.0\n")
     (kit / "train.py").write_text(Path(participant(tmp_path, "train")).read_text().replace(
         "class Model(nn.Module):", "from kernels import SCALE\n\n\nclass Model(nn.Module):"))
-    result, lines = evaluate(str(kit / "train.py"), checkpoint, text_dataset)
+    result, lines = evaluate(str(kit / "train.py"), checkpoint, text_dataset, own_process=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(lines["kernels_sha256"]) == 64 and lines["val_bpb"] == honest_runs["public"]["val_bpb"]
 
@@ -469,7 +473,8 @@ class Cheat(Model):
 
 
 def test_the_logits_buffers_cannot_shrink(tmp_path, checkpoint, text_dataset, honest_runs):
-    result, lines = evaluate(participant(tmp_path, "shrink", SHRINK_THE_BUFFER), checkpoint, text_dataset)
+    result, lines = evaluate(participant(tmp_path, "shrink", SHRINK_THE_BUFFER), checkpoint, text_dataset,
+                             own_process=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[worker] RESIZE PermissionError" in result.stderr and "[worker] TRUNCATE PermissionError" in result.stderr
     assert "RESIZED" not in result.stderr and "TRUNCATED" not in result.stderr
@@ -722,7 +727,8 @@ def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, hon
 
 def test_an_honest_model_gets_the_same_number_with_and_without_the_sandbox(tmp_path, checkpoint, text_dataset,
                                                                            honest_runs):
-    result, lines = evaluate(participant(tmp_path, "train"), checkpoint, text_dataset, "--no-sandbox")
+    result, lines = evaluate(participant(tmp_path, "train"), checkpoint, text_dataset, "--no-sandbox",
+                             own_process=False)
     assert result.returncode == 0
     assert lines["val_bpb"] == honest_runs["public"]["val_bpb"] and lines["sandbox"].startswith("none")
     assert "the worker's sandbox is off (--no-sandbox)" in lines["official"]
@@ -811,7 +817,7 @@ def test_whatever_a_worker_leaves_is_removed(tmp_path, checkpoint, text_dataset,
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     cheat = participant(tmp_path, "leave", LEAVE_BEHIND)
-    result, lines = evaluate(cheat, checkpoint, text_dataset, env={"TMPDIR": str(scratch)})
+    result, lines = evaluate(cheat, checkpoint, text_dataset, env={"TMPDIR": str(scratch)}, own_process=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[worker] LEFT BEHIND" in result.stderr and "[worker.2] LEFT BEHIND" in result.stderr
     assert "Traceback" not in result.stderr and lines["val_bpb"] == honest_runs["public"]["val_bpb"]
@@ -920,7 +926,7 @@ def test_a_worker_past_a_cap_is_stopped_with_one_clear_error(tmp_path, checkpoin
     t0 = time.time()
     result, lines = evaluate(participant(tmp_path, how, CONSUME), checkpoint, text_dataset,
                              env={"SUBMISSION_HOW": how, "SUBMISSION_MB": "1024", "SUBMISSION_MARKER": marker,
-                                  variable: cap, "TMPDIR": str(scratch)})
+                                  variable: cap, "TMPDIR": str(scratch)}, own_process=False)
     assert_refused(result, lines, f"the model worker was stopped: it ")
     assert message in result.stderr and "CONSUMED" not in result.stderr.split("error:")[-1]
     assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
@@ -932,7 +938,7 @@ def test_a_worker_under_its_caps_is_measured_and_scored(tmp_path, checkpoint, te
     """The control: the same flood, 256 MiB, under the default cap, is scored, and what the worker
     wrote is what the harness measured."""
     result, lines = evaluate(participant(tmp_path, "disk", CONSUME.replace("time.sleep(30)", "pass")), checkpoint,
-                             text_dataset, env={"SUBMISSION_HOW": "disk", "SUBMISSION_MB": "256"})
+                             text_dataset, env={"SUBMISSION_HOW": "disk", "SUBMISSION_MB": "256"}, own_process=False)
     assert result.returncode == 0, result.stderr[-3000:]
     used = [line for line in result.stderr.splitlines() if line.startswith("[worker] used at most: ")]
     assert len(used) == 1 and 256 <= int(used[0].split("disk ")[1].split()[0]) < 300, used

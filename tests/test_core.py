@@ -176,7 +176,7 @@ def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, mo
 # --- clear errors -------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_clear_errors(tmp_path, text_dataset, monkeypatch, capsys):
+def test_clear_errors(tmp_path, text_dataset):
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
     ckpt = tmp_path / "final.pt"
     ckpt.write_bytes(b"x")
@@ -208,13 +208,13 @@ def test_clear_errors(tmp_path, text_dataset, monkeypatch, capsys):
     ]
     (tmp_path / "nothing").mkdir()
     for args, message in cases:
-        result = prepare_in_process(["eval-core", *args], env, monkeypatch, capsys)
+        result = prepare_in_process(["eval-core", *args], env)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     broken_json = make_bundle(tmp_path / "badjson")
     with open(broken_json / "eval_data" / "synthetic" / "mc_plain.jsonl", "a") as f:
         f.write("{not json\n")
-    result = prepare_in_process(["eval-core", "--bundle-dir", str(broken_json)] + base, env, monkeypatch, capsys)
+    result = prepare_in_process(["eval-core", "--bundle-dir", str(broken_json)] + base, env)
     assert result.returncode == 1 and "mc_plain.jsonl:9: not valid JSON" in result.stderr
 
 

@@ -47,7 +47,7 @@ def test_eval_on_any_shard(tmp_path, text_dataset, checkpoint):
 
 
 @pytest.mark.slow
-def test_clear_errors(tmp_path, text_dataset, checkpoint, monkeypatch, capsys):
+def test_clear_errors(tmp_path, text_dataset, checkpoint):
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
     no_hook = tmp_path / "no_hook.py"
     no_hook.write_text("import torch\nMODEL = None\n")
@@ -65,14 +65,14 @@ def test_clear_errors(tmp_path, text_dataset, checkpoint, monkeypatch, capsys):
           str(checkpoint)], "--val-shard"),
     ]
     for args, message in cases:
-        result = prepare_in_process(args, env, monkeypatch, capsys)
+        result = prepare_in_process(args, env)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-def test_no_dataset_set_up_is_a_clear_error(checkpoint, isolated_cache, monkeypatch, capsys):
+def test_no_dataset_set_up_is_a_clear_error(checkpoint, isolated_cache):
     result = prepare_in_process(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint)],
-                                {"FRONTIER_CACHE_DIR": str(isolated_cache)}, monkeypatch, capsys)
+                                {"FRONTIER_CACHE_DIR": str(isolated_cache)})
     assert result.returncode == 1 and "python prepare.py setup --source stdlib" in result.stderr
 
 

@@ -65,7 +65,7 @@ def test_rerun_repairs_a_deleted_shard_and_leftover_temp_files(tmp_path):
     assert str(shards[0].parent) == data_dir
 
 
-def test_bad_sources_get_one_clear_error(tmp_path, monkeypatch, capsys):
+def test_bad_sources_get_one_clear_error(tmp_path):
     env = {"FRONTIER_CACHE_DIR": str(tmp_path / "cache")}
     cases = [
         (["--source", "nope"], "unknown --source 'nope'"),
@@ -76,7 +76,7 @@ def test_bad_sources_get_one_clear_error(tmp_path, monkeypatch, capsys):
     (tmp_path / "empty").mkdir()
     cases.append((["--source", f"dir:{tmp_path / 'empty'}"], "found 0 usable documents"))
     for args, message in cases:
-        result = setup_in_process(args, env, monkeypatch, capsys)
+        result = setup_in_process(args, env)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 

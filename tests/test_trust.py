@@ -1,6 +1,7 @@
 """The trust model, tried as a hostile participant would: each attack is a train.py (or inference.py)
-driven through the command line. Every one is refused with a clear message, or gains nothing (the
-printed number equals the honest one). Valid models are never refused."""
+driven through the command line (the harness in this process where its own process is not what is
+attacked: the workers are the same sandboxed processes). Every one is refused with a clear message, or
+gains nothing (the printed number equals the honest one). Valid models are never refused."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import torch
 
 import prepare
 from core_bundle import make_bundle
-from helpers import REPO, run_prepare
+from helpers import REPO, prepare_in_process, run_prepare
 from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
 
 pytestmark = pytest.mark.slow  # every test here runs the contained evaluation end to end
@@ -88,7 +89,7 @@ class Cheat(Model):
 
 def test_a_model_that_reads_ahead_after_its_first_forwards_is_refused(tmp_path, checkpoint, text_dataset):
     result, lines = evaluate(participant(tmp_path, "peek_after_warmup", READS_AHEAD_AFTER_WARMUP), checkpoint,
-                             text_dataset)
+                             text_dataset, own_process=False)
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
     # honest at first, so whichever check meets the change first refuses it
@@ -117,7 +118,7 @@ class Cheat(Model):
     def forward(self, idx):
         return self.honest(idx).as_subclass(Logits)
 '''
-    result, _ = evaluate(participant(tmp_path, "subclass", cheat), checkpoint, text_dataset)
+    result, _ = evaluate(participant(tmp_path, "subclass", cheat), checkpoint, text_dataset, own_process=False)
     assert result.returncode == 1 and "plain torch.Tensor" in result.stderr
 
 
@@ -132,9 +133,9 @@ class Cheat(Model):
 '''
     overwrite = favour_zero.replace("return logits", "idx.zero_()\n        return logits")
     base, base_lines = evaluate(participant(tmp_path, "favour_zero", favour_zero), checkpoint, text_dataset,
-                                "--batch-size", "1", "--max-tokens", str(SEQ * 32))
+                                "--batch-size", "1", "--max-tokens", str(SEQ * 32), own_process=False)
     result, lines = evaluate(participant(tmp_path, "overwrite", overwrite), checkpoint, text_dataset,
-                             "--batch-size", "1", "--max-tokens", str(SEQ * 32))
+                             "--batch-size", "1", "--max-tokens", str(SEQ * 32), own_process=False)
     assert base.returncode == 0 and result.returncode == 0, result.stderr
     assert lines["val_bpb"] == base_lines["val_bpb"]
 
@@ -148,10 +149,11 @@ class Cheat(Model):
     def forward(self, idx):
         return self.honest(idx).to(torch.bfloat16)
 '''
-    one, lines_one = evaluate(participant(tmp_path, "fp32"), checkpoint, text_dataset, "--batch-size", "1")
+    one, lines_one = evaluate(participant(tmp_path, "fp32"), checkpoint, text_dataset, "--batch-size", "1",
+                              own_process=False)
     assert one.returncode == 0, one.stderr
     assert lines_one["val_bpb"] == honest["val_bpb"]
-    half, lines_half = evaluate(participant(tmp_path, "bf16", bf16), checkpoint, text_dataset)
+    half, lines_half = evaluate(participant(tmp_path, "bf16", bf16), checkpoint, text_dataset, own_process=False)
     assert half.returncode == 0, half.stderr
     assert lines_half["compute_dtype"] == "bfloat16" and abs(float(lines_half["val_bpb"]) - float(honest["val_bpb"])) < 0.01
     assert honest["official"].startswith("False") and "--seq-len 64" in honest["official"]
@@ -175,7 +177,7 @@ def build(path, device):
     text = PARTICIPANT + textwrap.dedent(compiled) + "\n\ndef load_for_eval(path, device):\n    return build(path, device)\n"
     path = tmp_path / "compiled.py"
     path.write_text(text)
-    result, lines = evaluate(str(path), checkpoint, text_dataset)
+    result, lines = evaluate(str(path), checkpoint, text_dataset, own_process=False)
     assert result.returncode == 0, result.stderr
     assert abs(float(lines["val_bpb"]) - float(honest["val_bpb"])) < 1e-4
 
@@ -187,7 +189,7 @@ def test_the_kit_checkpoint_gets_the_same_number_isolated_and_in_process(tiny_ch
     model = T.load_for_eval(str(tiny_checkpoint), torch.device("cpu"))
     tok = prepare.ensure_tokenizer()
     local = prepare.evaluate_bpb(model, tok, 8, SEQ, "cpu", max_tokens=TOKENS)
-    result, lines = evaluate(str(REPO / "train.py"), str(tiny_checkpoint), text_dataset)
+    result, lines = evaluate(str(REPO / "train.py"), str(tiny_checkpoint), text_dataset, own_process=False)
     assert result.returncode == 0, result.stderr
     assert lines["val_bpb"] == f"{local['val_bpb']:.6f}"
 
@@ -243,7 +245,8 @@ def forged_inference(loss_scale: float) -> str:
 
 
 def core(args, dataset):
-    return run_prepare(["eval-core", *args], {"FRONTIER_DATA_DIR": str(dataset)})
+    """eval-core with the harness in this process: the attacks are inference.py's answers."""
+    return prepare_in_process(["eval-core", *args], {"FRONTIER_DATA_DIR": str(dataset)})
 
 
 def test_core_forged_greedy_predictions_are_refused(tmp_path, text_dataset, tiny_checkpoint):
