@@ -24,7 +24,7 @@ from harness.core.scoring import evaluate_core
 from harness.core.verify import VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples
 from harness import metric as M
 from helpers import REPO, prepare_in_process
-from hostile import PARTICIPANT, SEQ, TOKENS, evaluate, participant
+from hostile import SEQ, TOKENS, evaluate, participant
 
 HUGE = '''
 class Cheat(Model):

@@ -17,7 +17,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from core_bundle import make_bundle
 from helpers import REPO, can_drop_kernel_caches, make_text_source, random_documents, run_prepare
@@ -927,7 +926,7 @@ def test_a_worker_past_a_cap_is_stopped_with_one_clear_error(tmp_path, checkpoin
     result, lines = evaluate(participant(tmp_path, how, CONSUME), checkpoint, text_dataset,
                              env={"SUBMISSION_HOW": how, "SUBMISSION_MB": "1024", "SUBMISSION_MARKER": marker,
                                   variable: cap, "TMPDIR": str(scratch)}, own_process=False)
-    assert_refused(result, lines, f"the model worker was stopped: it ")
+    assert_refused(result, lines, "the model worker was stopped: it ")
     assert message in result.stderr and "CONSUMED" not in result.stderr.split("error:")[-1]
     assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
     assert time.time() - t0 < 30  # the hostile's own sleep is 30 s: it was stopped, not waited for

@@ -21,7 +21,7 @@ from harness.core.prompts import (Request, fewshot_indices, render_language_mode
 from harness.core.scoring import centered_accuracy, evaluate_core, is_correct
 from harness import download
 from core_bundle import expected_core, make_bundle
-from helpers import REPO, can_drop_kernel_caches, prepare_in_process, run_prepare
+from helpers import REPO, can_drop_kernel_caches, prepare_in_process
 
 TOY = REPO / "tests" / "fixtures" / "toy_inference.py"
 
@@ -110,7 +110,7 @@ def test_centering():
 # --- end to end with the toy scorer -------------------------------------------------------------
 
 def _eval_core(args, env):
-    return run_prepare(["eval-core", *args], env)
+    return prepare_in_process(["eval-core", *args], env)
 
 
 def test_toy_scorer_gets_exactly_the_expected_accuracies_and_core(tmp_path, text_dataset):

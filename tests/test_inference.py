@@ -13,7 +13,7 @@ import train as T
 from core_bundle import make_bundle
 from harness.core.bundle import bundle_from_dir, load_examples, load_tasks
 from harness.core.prompts import build_request, shuffled_and_capped
-from helpers import REPO, run_prepare, shipped_tokenizer
+from helpers import REPO, prepare_in_process, shipped_tokenizer
 
 VOCAB = 512
 
@@ -170,7 +170,7 @@ def test_eval_core_verifies_the_prefix_cached_scorer(tmp_path, text_dataset, tin
             torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
             assert (g == h).float().mean() > 0.95
     assert grouped >= 10
-    result = run_prepare(["eval-core", "--inference-py", str(REPO / "inference.py"), "--checkpoint",
+    result = prepare_in_process(["eval-core", "--inference-py", str(REPO / "inference.py"), "--checkpoint",
                           str(tiny_checkpoint), "--bundle-dir", str(bundle), "--verify-fraction", "1",
                           "--report", str(tmp_path / "r.json")], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness.loader import pack_rows
-from helpers import REPO, run_prepare
+from helpers import REPO, prepare_in_process
 
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
@@ -230,7 +230,7 @@ def test_every_ingredient_and_the_keep_rest_sampler_train_and_pass_the_scorers_c
                           str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "num_steps:             12" in run.stdout
-    result = run_prepare(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint",
+    result = prepare_in_process(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint",
                           str(tmp_path / "out" / "final.pt"), "--max-tokens", "4096"],
                          {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr[-3000:]

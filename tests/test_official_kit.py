@@ -3,7 +3,6 @@ against the official interface trains under torchrun, calls evaluate_bpb and cau
 its loop on every rank, and is scored by eval-public; the official environment variables."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 
 import prepare
 from harness import config
-from helpers import REPO, run_prepare
+from helpers import REPO, prepare_in_process, run_prepare
 
 OFFICIAL = REPO / "tests" / "fixtures" / "official_style_train.py"
 
@@ -45,7 +44,7 @@ def test_an_official_style_train_py_trains_under_torchrun_and_is_scored(tmp_path
     checkpoint = tmp_path / "out" / "final.pt"
     import torch
     assert set(torch.load(checkpoint, weights_only=True)) == {"model_state", "model_config", "meta"}
-    result = run_prepare(["eval-public", "--train-py", str(OFFICIAL), "--checkpoint", str(checkpoint),
+    result = prepare_in_process(["eval-public", "--train-py", str(OFFICIAL), "--checkpoint", str(checkpoint),
                           "--seq-len", "64", "--max-tokens", "512"], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr
     lines = {k.strip(): v.strip() for k, v in (l.split(":", 1) for l in result.stdout.splitlines()
@@ -106,7 +105,7 @@ def test_eval_public_finds_the_checkpoint_in_the_official_out_dir(tmp_path, text
     out.mkdir()
     torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16)}},
                out / "final.pt")
-    result = run_prepare(["eval-public", "--train-py", str(REPO / "tests" / "fixtures" / "bigram_train.py"),
+    result = prepare_in_process(["eval-public", "--train-py", str(REPO / "tests" / "fixtures" / "bigram_train.py"),
                           "--max-tokens", "2048"],
                          {"FRONTIER_DATA_DIR": str(text_dataset), "NEURON_COMPETITION_R1_OUT_DIR": str(out)})
     assert result.returncode == 0, result.stderr

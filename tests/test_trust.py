@@ -4,10 +4,7 @@ attacked: the workers are the same sandboxed processes). Every one is refused wi
 gains nothing (the printed number equals the honest one). Valid models are never refused."""
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
 import textwrap
 
