@@ -54,15 +54,15 @@ def test_device_batch_shrinks_to_the_largest_divisor():
     assert T.batch_geometry(2**19, 2, 2048, 256).grad_accum_steps == 1  # Phase 2 batch on two servers at LNC=1
 
 
-@pytest.mark.slow
-def test_a_run_with_more_ranks_than_rows_adapts_instead_of_exiting(tmp_path, text_dataset):
-    """One process standing in for a rank of a large world: a total batch of 2 rows per step, device batch 8."""
-    result = run_train([*TINY, "--total-batch-size", "256", "--max-steps", "2", "--eval-tokens", "0",
-                        "--out-dir", str(tmp_path / "out")], {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "batch geometry: device batch 8 -> 2 rows" in result.stdout
-    result = run_train([*TINY, "--total-batch-size", "100"], {"FRONTIER_DATA_DIR": str(text_dataset)}, cwd=tmp_path)
-    assert result.returncode == 1 and "no batch geometry" in result.stderr and "Traceback" not in result.stderr
+def test_a_run_with_more_ranks_than_rows_adapts_instead_of_exiting(tmp_path, train_main, capsys):
+    """One process standing in for a rank of a large world: a total batch of 2 rows per step, device batch 8.
+    A batch no geometry fits is an input error (train.py's one clear line, no traceback)."""
+    assert train_main([*TINY, "--total-batch-size", "256", "--max-steps", "2", "--eval-tokens", "0",
+                       "--out-dir", str(tmp_path / "out")]) == 0
+    assert "batch geometry: device batch 8 -> 2 rows" in capsys.readouterr().out
+    with pytest.raises(T.BatchGeometryError, match="no batch geometry") as e:
+        train_main([*TINY, "--total-batch-size", "100", "--out-dir", str(tmp_path / "out2")])
+    assert T.is_input_error(e.value)
 
 
 # --- schedules and resumable runs -----------------------------------------------------------------
