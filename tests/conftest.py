@@ -32,11 +32,16 @@ def _one_thread_per_test_process() -> None:
 _one_thread_per_test_process()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """The slow tests first (a stable sort: each group keeps its order), so that under pytest-xdist the
     long ones start early and the short ones fill in at the end, instead of one process finishing a
-    long test while the other waits."""
+    long test while the other waits. The tests of the one torchrun launch (two_ranks) in one process,
+    which starts it while the other goes on."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    for item in items:
+        if "two_ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("two-ranks"))
 
 
 @pytest.fixture(autouse=True)
@@ -160,6 +165,36 @@ def train_main(monkeypatch, text_dataset):
         torch._dynamo.reset()
         return train.main(argv)
     return main
+
+
+@pytest.fixture(scope="session")
+def two_ranks(request, tmp_path_factory):
+    """The distributed runs of the harness's commands, all in one torchrun launch of 2 processes (the CI's
+    standard; each launch costs about 5 s of starting processes). Every test module that uses this fixture
+    lists its jobs in a function two_rank_jobs(folder, request) -> [job] (tests/fixtures/two_rank_jobs.py
+    says what a job is; request gives the session's fixtures), the inputs written under folder; only the
+    modules of the tests selected run. Returns the folder and name -> CompletedProcess: both ranks'
+    output, rank 0's first, and the exit code of the first rank that failed (0 if none did)."""
+    from helpers import REPO
+    modules = sorted({item.module for item in request.session.items if "two_ranks" in item.fixturenames},
+                     key=lambda m: m.__name__)
+
+    def build(folder):
+        jobs = [job for module in modules for job in module.two_rank_jobs(folder, request)]
+        (folder / "jobs.json").write_text(json.dumps(jobs))
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 str(REPO / "tests" / "fixtures" / "two_rank_jobs.py"), str(folder / "jobs.json"),
+                                 str(folder)], capture_output=True, text=True, timeout=1200)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+    folder = built_once(tmp_path_factory, "two_ranks", build)
+    results = {}
+    for job in json.loads((folder / "jobs.json").read_text()):
+        ranks = [json.loads((folder / f"{job['name']}.rank{r}.json").read_text()) for r in (0, 1)]
+        results[job["name"]] = subprocess.CompletedProcess(
+            job, next((r["returncode"] for r in ranks if r["returncode"]), 0),
+            "".join(r["stdout"] for r in ranks), "".join(r["stderr"] for r in ranks))
+    return folder, results
 
 
 @pytest.fixture(scope="session")

@@ -253,31 +253,32 @@ def test_core_moved_towards_gold_within_the_tolerances_is_refused(tmp_path, text
             refuse_bias(found["bias"])
 
 
+def two_rank_jobs(folder, request) -> list[dict]:
+    """eval-core of the kit's checkpoint in the suite's one torchrun launch (conftest's two_ranks), on the
+    near-tie bundle: the honest scorer, and the forger at 0.045 nats towards every gold answer."""
+    text_dataset, checkpoint = request.getfixturevalue("text_dataset"), request.getfixturevalue("tiny_checkpoint")
+    bundle = make_bundle(folder / "checks", NEAR_TIE_TASKS, make_near_tie_examples)
+    forged = towards_gold(folder / "checks", bundle, prepare.ensure_tokenizer(dataset_dir=text_dataset),
+                          int(kit_model(checkpoint).cos.shape[1]), 0.045)
+    base = ["eval-core", "--checkpoint", str(checkpoint), "--train-py", str(REPO / "train.py"), "--bundle-dir",
+            str(bundle)]
+    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
+    return [{"name": f"core_lean_{name}", "env": env,
+             "prepare": [*base, "--inference-py", str(inference_py), "--report", str(folder / "checks" / f"{name}.json")]}
+            for name, inference_py in (("honest", REPO / "inference.py"), ("forged", forged))]
+
+
 @pytest.mark.slow
-def test_under_torchrun_the_lean_of_every_rank_is_tested_together(tmp_path, text_dataset, tiny_checkpoint,
-                                                                  monkeypatch):
+def test_under_torchrun_the_lean_of_every_rank_is_tested_together(two_ranks):
     """The issue's row through eval-core, on two ranks each verifying its own share: the honest scorer
     passes and the summary counts both ranks' examples; the forger at 0.045 nats towards every gold
     answer is refused for its lean, with nothing else wrong, by one error, on the counts of both. (That
     it pays unverified: test_core_moved_towards_gold_within_the_tolerances_is_refused, at the same shift
     through the same scoring.)"""
-    import os
-    import subprocess
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
-    bundle = make_bundle(tmp_path, NEAR_TIE_TASKS, make_near_tie_examples)
-    forged = towards_gold(tmp_path, bundle, prepare.ensure_tokenizer(), int(kit_model(tiny_checkpoint).cos.shape[1]),
-                          0.045)
-    env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset))
-    runs = {}
-    for name, inference_py in (("honest", REPO / "inference.py"), ("forged", forged)):
-        runs[name] = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                     str(REPO / "prepare.py"), "eval-core", "--inference-py", str(inference_py),
-                                     "--checkpoint", str(tiny_checkpoint), "--train-py", str(REPO / "train.py"),
-                                     "--bundle-dir", str(bundle), "--report", str(tmp_path / f"{name}.json")],
-                                    cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    honest, forged_run = runs["honest"], runs["forged"]
+    folder, runs = two_ranks
+    honest, forged_run = runs["core_lean_honest"], runs["core_lean_forged"]
     assert honest.returncode == 0, honest.stderr[-3000:]
-    verify = json.loads((tmp_path / "honest.json").read_text())["verify"]
+    verify = json.loads((folder / "checks" / "honest.json").read_text())["verify"]
     assert verify["examples"] == 10 + 10 + 10 + 6 and verify["bias"] == {"answers": [0, 0], "decisions": [0, 0]}
     assert honest.stdout.count("verify_lean:") == 1
     assert forged_run.returncode != 0 and "core:" not in forged_run.stdout

@@ -4,10 +4,7 @@ from __future__ import annotations
 import http.server
 import io
 import json
-import os
 import random
-import subprocess
-import sys
 import threading
 import zipfile
 
@@ -133,18 +130,23 @@ def test_toy_scorer_gets_exactly_the_expected_accuracies_and_core(tmp_path, text
         assert f"{label:<34} accuracy:" in result.stdout
 
 
+def two_rank_jobs(folder, request) -> list[dict]:
+    """eval-core of the toy scorer in the suite's one torchrun launch (conftest's two_ranks)."""
+    (folder / "core").mkdir()
+    checkpoint = folder / "core" / "final.pt"  # the report lands beside it
+    checkpoint.write_bytes(b"the toy ignores it")
+    return [{"name": "eval_core_2_ranks", "prepare": ["eval-core", "--inference-py", str(TOY), "--checkpoint",
+                                                      str(checkpoint), "--bundle-dir", str(make_bundle(folder / "core")),
+                                                      "--verify-fraction", "0"],
+             "env": {"FRONTIER_DATA_DIR": str(request.getfixturevalue("text_dataset"))}}]
+
+
 @pytest.mark.slow
-def test_torchrun_strides_examples_over_ranks(tmp_path, text_dataset):
-    bundle = make_bundle(tmp_path)
-    ckpt = tmp_path / "final.pt"
-    ckpt.write_bytes(b"the toy ignores it")
-    env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "prepare.py"), "eval-core", "--inference-py", str(TOY), "--checkpoint",
-                             str(ckpt), "--bundle-dir", str(bundle), "--verify-fraction", "0"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+def test_torchrun_strides_examples_over_ranks(two_ranks):
+    folder, runs = two_ranks
+    result = runs["eval_core_2_ranks"]
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "core_report.json").read_text())
+    report = json.loads((folder / "core" / "core_report.json").read_text())
     accuracies, core = expected_core()
     assert report["world_size"] == 2 and report["core"] == pytest.approx(core, abs=1e-12)
     assert {k: v["accuracy"] for k, v in report["tasks"].items()} == accuracies

@@ -9,12 +9,16 @@ from helpers import REPO, prepare_in_process, random_documents, run_prepare, wri
 FIXTURE = REPO / "tests" / "fixtures" / "bigram_train.py"
 
 
-@pytest.fixture
-def checkpoint(tmp_path):
+def bigram_checkpoint(path):
+    """Weights for tests/fixtures/bigram_train.py."""
     torch.manual_seed(0)
-    path = tmp_path / "final.pt"
     torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16) * 0.1}}, path)
     return path
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return bigram_checkpoint(tmp_path / "final.pt")
 
 
 def _lines(stdout: str) -> dict:
@@ -84,36 +88,34 @@ def test_help(command, capsys):
     assert e.value.code == 0 and "--" in capsys.readouterr().out
 
 
-@pytest.mark.slow
-def test_eval_public_under_torchrun_gives_the_single_process_number(tmp_path, text_dataset, checkpoint):
-    import os
-    import subprocess
-    import sys
-    args = ["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(checkpoint), "--max-tokens", "16384",
+def two_rank_jobs(folder, request) -> list[dict]:
+    """eval-public in the suite's one torchrun launch (conftest's two_ranks): the bigram scored on 2 ranks,
+    and a token count that leaves a rank without a row (with a TMPDIR of its own, to see what is left)."""
+    base = ["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(bigram_checkpoint(folder / "eval_cli.pt")),
             "--device", "cpu"]
-    env = {"FRONTIER_DATA_DIR": str(text_dataset)}
-    single = run_prepare(args, env)
+    env = {"FRONTIER_DATA_DIR": str(request.getfixturevalue("text_dataset"))}
+    (folder / "eval_cli_tmp").mkdir()
+    return [{"name": "eval_public_2_ranks", "prepare": [*base, "--max-tokens", "16384"], "env": env},
+            {"name": "eval_public_more_ranks_than_rows", "prepare": [*base, "--max-tokens", "1024"],
+             "env": {**env, "TMPDIR": str(folder / "eval_cli_tmp")}}]
+
+
+@pytest.mark.slow
+def test_eval_public_under_torchrun_gives_the_single_process_number(text_dataset, two_ranks):
+    folder, runs = two_ranks
+    multi = runs["eval_public_2_ranks"]
+    single = prepare_in_process(["eval-public", "--train-py", str(FIXTURE), "--checkpoint", str(folder / "eval_cli.pt"),
+                                 "--max-tokens", "16384", "--device", "cpu"], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert single.returncode == 0, single.stderr
-    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(REPO / "prepare.py"), *args], cwd=REPO, env=dict(os.environ, **env),
-                           capture_output=True, text=True, timeout=600)
     assert multi.returncode == 0, multi.stderr[-3000:]
     a, b = _lines(single.stdout), _lines(multi.stdout)
     assert a["val_bpb"] == b["val_bpb"] and b["world_size"].strip() == "2" and multi.stdout.count("val_bpb") == 1
 
 
 @pytest.mark.slow
-def test_more_ranks_than_rows_is_one_clear_error_and_leaves_nothing(tmp_path, text_dataset, checkpoint):
-    import os
-    import subprocess
-    import sys
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "prepare.py"), "eval-public", "--train-py", str(FIXTURE), "--checkpoint",
-                             str(checkpoint), "--max-tokens", "1024", "--device", "cpu"], cwd=REPO,
-                            env=dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), TMPDIR=str(scratch)),
-                            capture_output=True, text=True, timeout=600)
+def test_more_ranks_than_rows_is_one_clear_error_and_leaves_nothing(two_ranks):
+    folder, runs = two_ranks
+    result = runs["eval_public_more_ranks_than_rows"]
     assert result.returncode != 0 and "1 rows for 2 ranks" in result.stderr
     assert "Traceback" not in result.stderr.split("error:")[0] and "val_bpb" not in result.stdout
-    assert [p.name for p in scratch.iterdir() if p.name.startswith("frontier-")] == []
+    assert [p.name for p in (folder / "eval_cli_tmp").iterdir() if p.name.startswith("frontier-")] == []

@@ -1,6 +1,7 @@
 """evaluate_bpb and causality_check: exact values, refusals, determinism, timeout."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 import prepare
 from harness import metric as M
-from helpers import (BatchMixModel, BatchSizeModel, BigramModel, NaNModel, NoisyModel, PeekAfterWarmup,
+from helpers import (REPO, BatchMixModel, BatchSizeModel, BigramModel, NaNModel, NoisyModel, PeekAfterWarmup,
                      PeekExceptAtFixedCuts, PeekModel, PeekOnRealText, PeekWithHugeSpecialLogit, SubclassModel,
                      UniformModel, WrongShapeModel, documents_with_token_count, random_documents, shipped_tokenizer,
                      write_shard)
@@ -237,24 +238,28 @@ def test_valid_causal_attention_model_is_never_refused(tok, active_text_dataset)
         assert check["passed"], check["message"]
 
 
+def two_rank_jobs(folder, request) -> list[dict]:
+    """tests/fixtures/dist_eval.py in the suite's one torchrun launch (conftest's two_ranks): a bigram
+    scored on 2 ranks, then the same with rank 1's model answering NaN, on long_shard's text."""
+    shard = write_shard(folder / "metric_long.parquet", random_documents(1000, seed=3))
+    script, env = str(REPO / "tests" / "fixtures" / "dist_eval.py"), {"FRONTIER_DATA_DIR": str(
+        request.getfixturevalue("text_dataset"))}
+    args = [str(shard), "16", str(16 * 200)]
+    return [{"name": "metric_world_2", "script": script, "args": [str(folder / "metric_w2.json"), *args], "env": env},
+            {"name": "metric_nan_on_rank_1", "script": script, "args": [str(folder / "metric_nan.json"), *args,
+                                                                         "nan-on-rank-1"], "env": env}]
+
+
 @pytest.mark.slow
-def test_distributed_evaluate_bpb_gives_the_same_number_at_any_world_size(tmp_path, tok, long_shard,
-                                                                          active_text_dataset):
+def test_distributed_evaluate_bpb_gives_the_same_number_at_any_world_size(tok, two_ranks, active_text_dataset):
     """evaluate_bpb called on every rank shares the rows out and adds the per-row sums in row order:
     tests/fixtures/dist_eval.py under torchrun with 2 ranks gives this process's number exactly (the
     sharing is rank-generic, row k on rank k % world; 2 ranks are the CI's standard)."""
-    import json
-    import subprocess
-    import sys
-    from helpers import REPO
-    out = tmp_path / "w2.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "tests" / "fixtures" / "dist_eval.py"), str(out), str(long_shard), "16",
-                          str(16 * 200)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    two = json.loads(out.read_text())
+    folder, runs = two_ranks
+    assert runs["metric_world_2"].returncode == 0, runs["metric_world_2"].stderr[-3000:]
+    two = json.loads((folder / "metric_w2.json").read_text())
     model = BigramModel(torch.randn(8192, 8192, generator=torch.Generator().manual_seed(0)))  # dist_eval.py's
-    one = prepare.evaluate_bpb(model, tok, 4, 16, "cpu", max_tokens=16 * 200, shard_path=long_shard)
+    one = prepare.evaluate_bpb(model, tok, 4, 16, "cpu", max_tokens=16 * 200, shard_path=folder / "metric_long.parquet")
     assert one["world_size"] == 1 and two["world_size"] == 2
     for key in ("val_bpb", "total_nats", "total_bytes", "tokens", "rows"):
         assert two[key] == one[key], key
@@ -262,21 +267,13 @@ def test_distributed_evaluate_bpb_gives_the_same_number_at_any_world_size(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_rank_refused_in_the_first_pass_stops_every_rank_before_the_second(tmp_path, long_shard,
-                                                                             active_text_dataset):
+def test_a_rank_refused_in_the_first_pass_stops_every_rank_before_the_second(two_ranks):
     """The ranks go from the first pass to the second together (the kernel's caches are dropped in
     between): when one rank's model is refused in its first pass, every rank is refused with its
     message, none runs a second pass, and nothing hangs."""
-    import subprocess
-    import sys
-    from helpers import REPO
-    out = tmp_path / "w2.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "tests" / "fixtures" / "dist_eval.py"), str(out), str(long_shard), "16",
-                          str(16 * 200), "nan-on-rank-1"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    import json
-    ranks = [json.loads((tmp_path / f"w2.json.rank{r}").read_text()) for r in (0, 1)]
+    folder, runs = two_ranks
+    assert runs["metric_nan_on_rank_1"].returncode == 0, runs["metric_nan_on_rank_1"].stderr[-3000:]
+    ranks = [json.loads((folder / f"metric_nan.json.rank{r}").read_text()) for r in (0, 1)]
     assert ranks[0]["message"] == ranks[1]["message"] and "NaN" in ranks[0]["message"], ranks
     assert ranks[0]["forwards"] == 200 // 2 // 4 and ranks[1]["forwards"] <= 2, ranks  # rank 0: its first pass only
-    assert not out.exists()
+    assert not (folder / "metric_nan.json").exists()
