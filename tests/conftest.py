@@ -4,6 +4,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -167,14 +168,18 @@ def train_main(monkeypatch, text_dataset):
     return main
 
 
+TWO_RANKS_TIMEOUT = 900  # seconds for the whole launch: far past what its jobs take (about a minute)
+
+
 @pytest.fixture(scope="session")
 def two_ranks(request, tmp_path_factory):
     """The distributed runs of the harness's commands, all in one torchrun launch of 2 processes (the CI's
     standard; each launch costs about 5 s of starting processes). Every test module that uses this fixture
     lists its jobs in a function two_rank_jobs(folder, request) -> [job] (tests/fixtures/two_rank_jobs.py
     says what a job is; request gives the session's fixtures), the inputs written under folder; only the
-    modules of the tests selected run. Returns the folder and name -> CompletedProcess: both ranks'
-    output, rank 0's first, and the exit code of the first rank that failed (0 if none did)."""
+    modules of the tests selected run. Returns the folder and name -> CompletedProcess per job: both ranks'
+    output, rank 0's first, and the exit code of the first rank that failed (0 if none did; -1 where a
+    rank has none, with why and the launch's own output), so each test fails on its own job's outcome."""
     from helpers import REPO
     modules = sorted({item.module for item in request.session.items if "two_ranks" in item.fixturenames},
                      key=lambda m: m.__name__)
@@ -182,18 +187,32 @@ def two_ranks(request, tmp_path_factory):
     def build(folder):
         jobs = [job for module in modules for job in module.two_rank_jobs(folder, request)]
         (folder / "jobs.json").write_text(json.dumps(jobs))
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                 str(REPO / "tests" / "fixtures" / "two_rank_jobs.py"), str(folder / "jobs.json"),
-                                 str(folder)], capture_output=True, text=True, timeout=1200)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                   str(REPO / "tests" / "fixtures" / "two_rank_jobs.py"), str(folder / "jobs.json"),
+                                   str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True)
+        try:
+            output = launch.communicate(timeout=TWO_RANKS_TIMEOUT)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)  # the launcher and its ranks
+            output = launch.communicate()[0] + f"\n(the launch was stopped after {TWO_RANKS_TIMEOUT} s)"
+        (folder / "launch.log").write_text(f"exit code {launch.returncode}\n{output}")
 
     folder = built_once(tmp_path_factory, "two_ranks", build)
+
+    def read(path) -> str:
+        return path.read_text() if path.exists() else ""
+
     results = {}
     for job in json.loads((folder / "jobs.json").read_text()):
-        ranks = [json.loads((folder / f"{job['name']}.rank{r}.json").read_text()) for r in (0, 1)]
+        paths = [{k: folder / f"{job['name']}.rank{r}.{k}" for k in ("stdout", "stderr", "code")} for r in (0, 1)]
+        codes = [int(p["code"].read_text()) if p["code"].exists() else None for p in paths]
+        stderr = "".join(read(p["stderr"]) for p in paths)
+        if None in codes:
+            stderr += f"\n(a rank gave no exit code; the launch said:)\n{read(folder / 'launch.log')[-3000:]}"
         results[job["name"]] = subprocess.CompletedProcess(
-            job, next((r["returncode"] for r in ranks if r["returncode"]), 0),
-            "".join(r["stdout"] for r in ranks), "".join(r["stderr"] for r in ranks))
+            job, -1 if None in codes else next((c for c in codes if c), 0),
+            "".join(read(p["stdout"]) for p in paths), stderr)
     return folder, results
 
 

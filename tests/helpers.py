@@ -78,31 +78,52 @@ def can_drop_kernel_caches() -> bool:
     return os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
-def prepare_in_process(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+def _child_subreaper(value: int | None = None) -> int:
+    """This process's child-subreaper flag (prctl), set to value when given; the flag before."""
+    import ctypes
+    libc, flag = ctypes.CDLL(None, use_errno=True), ctypes.c_int(0)
+    libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    if value is not None:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, value, 0, 0, 0)
+    return flag.value
+
+
+def prepare_in_process(args: list[str], env_extra: dict | None = None, timeout: int = 600
+                       ) -> subprocess.CompletedProcess:
     """`python prepare.py ARGS` run in this process, its exit code and output as run_prepare returns them:
     for what is not about the harness's own process (the commands' checks and messages, what a worker may
     do: workers are real sandboxed processes either way). The scorer's process hygiene (undumpable,
     SIGTERM, what a worker can see of its parent) stays the real process's, tested through run_prepare.
-    The environment, the temporary folder and SIGTERM's handler are put back afterwards."""
+    The environment, the temporary folder, SIGTERM's handler and the child-subreaper flag (the harness
+    adopts its workers' orphans) are put back afterwards; past timeout seconds the test process prints
+    every thread's stack and exits, as run_prepare's timeout would stop a hung command."""
     import contextlib
+    import faulthandler
     import io
     import signal
     import tempfile
     from unittest import mock
     from harness import cli
     saved_env, saved_tempdir, sigterm = dict(os.environ), tempfile.tempdir, signal.getsignal(signal.SIGTERM)
+    subreaper = _child_subreaper()
     out, err = io.StringIO(), io.StringIO()
     os.environ.update(env_extra or {})
     tempfile.tempdir = None  # TMPDIR as this call's environment has it
+    faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)  # a real file: sys.stderr may be a capture
     try:
         with mock.patch.object(cli, "make_undumpable", lambda: None), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err):
             code = cli.main(list(args))
     finally:
+        faulthandler.cancel_dump_traceback_later()
         os.environ.clear()
         os.environ.update(saved_env)
         tempfile.tempdir = saved_tempdir
         signal.signal(signal.SIGTERM, sigterm)
+        _child_subreaper(subreaper)
     return subprocess.CompletedProcess(["prepare.py", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import os
 import shutil
 import subprocess
@@ -55,10 +56,10 @@ STEPS = "\n    max_steps: int = 0 "
 
 @pytest.mark.slow
 def test_the_real_kit_end_to_end(kit_repo, text_dataset):
-    """One run of the loop over the real train.py and the contained eval-public: the baseline learns a finite
-    score and is kept, the branch stays at it, the run's log and the plot are written and ignored by git. The
-    loop's other verdicts (discard, crash, timeout) and two slots: tests/test_autoresearch_slots.py, on
-    stand-ins; that the real model learns: tests/test_train.py (its loss far below the unigram entropy)."""
+    """One run of the loop over the real train.py and the contained eval-public: the baseline scores under
+    half of what a model that learned nothing would (1.7 against 6.1 bits per byte, measured) and is kept,
+    the branch stays at it, the run's log and the plot are written and ignored by git. The loop's other
+    verdicts (discard, crash, timeout) and two slots: tests/test_autoresearch_slots.py, on stand-ins."""
     baseline = edit_and_commit(kit_repo, {STEPS: "\n    max_steps: int = 12 "}, "baseline: 12 steps")
     result = run_loop(kit_repo, text_dataset, "--budget", "60", "--timeout", "120")  # 12 steps, far inside it
     assert result.returncode == 0 and "kept" in result.stdout, result.stdout + result.stderr
@@ -66,7 +67,10 @@ def test_the_real_kit_end_to_end(kit_repo, text_dataset):
 
     r = rows(kit_repo)
     assert [(x["commit"], x["status"], x["slot"]) for x in r] == [(baseline, "keep", "0")]
-    assert 0 < float(r[0]["val_bpb"]) < 20
+    [log] = (kit_repo / "autoresearch" / "runs").glob(f"*-{baseline}/eval.log")  # the contained eval-public's
+    scored = dict(line.split(":", 1) for line in log.read_text().splitlines() if line.startswith("eval_"))
+    uniform = math.log2(8192) * int(scored["eval_tokens"]) / int(scored["eval_bytes"])  # a model that learned nothing
+    assert 0 < float(r[0]["val_bpb"]) < 0.5 * uniform, (r[0]["val_bpb"], uniform)
     assert float(r[0]["memory_gb"]) > 0
     png = kit_repo / "autoresearch" / "progress.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -373,7 +373,8 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"compute_dtype:           {'float32' if dtype == 'fp32' else 'bfloat16'}" in result.stdout
     result = prepare_in_process(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
-                                 str(tiny_checkpoint), "--bundle-dir", str(near), "--verify-fraction", "1"], env)
+                                 str(tiny_checkpoint), "--bundle-dir", str(near), "--verify-fraction", "1",
+                                 "--report", str(tmp_path / "core_report.json")], env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "verify_lean:         answers " in result.stdout
 

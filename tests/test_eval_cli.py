@@ -45,7 +45,7 @@ def test_eval_on_any_shard(tmp_path, text_dataset, checkpoint):
     shard = write_shard(tmp_path / "private.parquet", random_documents(100, seed=9))
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
     result = prepare_in_process(["eval", "--val-shard", str(shard), "--train-py", str(FIXTURE), "--checkpoint",
-                          str(checkpoint), "--max-tokens", "4096"], env)
+                                 str(checkpoint), "--max-tokens", "4096"], env)
     assert result.returncode == 0, result.stderr
     assert _lines(result.stdout)["shard"].strip() == str(shard)
 

@@ -171,8 +171,8 @@ def test_eval_core_verifies_the_prefix_cached_scorer(tmp_path, text_dataset, tin
             assert (g == h).float().mean() > 0.95
     assert grouped >= 10
     result = prepare_in_process(["eval-core", "--inference-py", str(REPO / "inference.py"), "--checkpoint",
-                          str(tiny_checkpoint), "--bundle-dir", str(bundle), "--verify-fraction", "1",
-                          "--report", str(tmp_path / "r.json")], {"FRONTIER_DATA_DIR": str(text_dataset)})
+                                 str(tiny_checkpoint), "--bundle-dir", str(bundle), "--verify-fraction", "1",
+                                 "--report", str(tmp_path / "r.json")], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr
     assert "prefix cache off" not in result.stderr
     verify = json.loads((tmp_path / "r.json").read_text())["verify"]

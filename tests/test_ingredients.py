@@ -231,8 +231,8 @@ def test_every_ingredient_and_the_keep_rest_sampler_train_and_pass_the_scorers_c
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "num_steps:             12" in run.stdout
     result = prepare_in_process(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint",
-                          str(tmp_path / "out" / "final.pt"), "--max-tokens", "4096"],
-                         {"FRONTIER_DATA_DIR": str(text_dataset)})
+                                 str(tmp_path / "out" / "final.pt"), "--max-tokens", "4096"],
+                                {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "causality_passed:        True" in result.stdout and "val_bpb" in result.stdout
 

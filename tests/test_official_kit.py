@@ -45,7 +45,7 @@ def test_an_official_style_train_py_trains_under_torchrun_and_is_scored(tmp_path
     import torch
     assert set(torch.load(checkpoint, weights_only=True)) == {"model_state", "model_config", "meta"}
     result = prepare_in_process(["eval-public", "--train-py", str(OFFICIAL), "--checkpoint", str(checkpoint),
-                          "--seq-len", "64", "--max-tokens", "512"], {"FRONTIER_DATA_DIR": str(text_dataset)})
+                                 "--seq-len", "64", "--max-tokens", "512"], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr
     lines = {k.strip(): v.strip() for k, v in (l.split(":", 1) for l in result.stdout.splitlines()
                                                if ":" in l and not l.startswith("["))}
@@ -106,8 +106,8 @@ def test_eval_public_finds_the_checkpoint_in_the_official_out_dir(tmp_path, text
     torch.save({"state_dict": {"emb.weight": torch.randn(8192, 16), "head.weight": torch.randn(8192, 16)}},
                out / "final.pt")
     result = prepare_in_process(["eval-public", "--train-py", str(REPO / "tests" / "fixtures" / "bigram_train.py"),
-                          "--max-tokens", "2048"],
-                         {"FRONTIER_DATA_DIR": str(text_dataset), "NEURON_COMPETITION_R1_OUT_DIR": str(out)})
+                                 "--max-tokens", "2048"],
+                                {"FRONTIER_DATA_DIR": str(text_dataset), "NEURON_COMPETITION_R1_OUT_DIR": str(out)})
     assert result.returncode == 0, result.stderr
     assert f"[env] out_dir = {out} (from NEURON_COMPETITION_R1_OUT_DIR)" in result.stdout
     assert f"checkpoint_sha256:       {prepare.sha256_file(out / 'final.pt')}" in result.stdout

@@ -73,7 +73,7 @@ def test_checkpoint_round_trips_through_load_for_eval_and_eval_public(trained, t
     x = torch.randint(0, 8000, (2, 64))
     assert model(x).shape == (2, 64, 8192)
     result = prepare_in_process(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint", str(checkpoint),
-                          "--max-tokens", "4096"], {"FRONTIER_DATA_DIR": str(text_dataset)})
+                                 "--max-tokens", "4096"], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr
     assert "causality_passed:        True" in result.stdout
 
@@ -91,8 +91,8 @@ def test_checkpoint_of_another_config_is_a_clear_error(trained, tmp_path, text_d
         torch.save(bad, path)
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
             T.load_for_eval(str(path), torch.device("cpu"))
-    result = prepare_in_process(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint", str(tmp_path / "bad0.pt")],
-                         {"FRONTIER_DATA_DIR": str(text_dataset)})
+    result = prepare_in_process(["eval-public", "--train-py", str(REPO / "train.py"), "--checkpoint",
+                                 str(tmp_path / "bad0.pt")], {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 1 and "does not fit this train.py's GPT" in result.stderr
 
 

@@ -237,6 +237,11 @@ def main() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)  # and what native code wrote through C's stdio
+    except (OSError, AttributeError):
+        pass
     os._exit(0)
 
 
