@@ -110,7 +110,8 @@ def run(commit: bool, only: str | None) -> None:
             if commit:
                 subprocess.run(["git", "add", str(RESULTS)], cwd=REPO, check=True)
                 subprocess.run(["git", "commit", "-qm", f"benchmarks/results/presets.tsv: {part.question}, "
-                                f"{key['shape']} {key['ingredients']} seed {key['seed']}"], cwd=REPO, check=True)
+                                f"{key['shape']} {key['ingredients']} seed {key['seed']}", "--", str(RESULTS)],
+                               cwd=REPO, check=True)  # the table only: never what else is staged
 
 
 def tables() -> None:
