@@ -9,16 +9,23 @@ prints one markdown table per question from what is there.
     python benchmarks/preset_campaign.py run --commit --only larger-shape   # fixed steps: may share the machine
     python benchmarks/preset_campaign.py tables
 
-The plan, about 5.3 hours on the 2-core machine, and why each part:
-- ablation: the ingredients the presets adopted rest on one seed; a second seed for off, value
-  embeddings, windows and both (the preset as it is: `as-is`), and trigram and `every` once;
+A run of fixed wall-clock time is repeated on each kind of machine that answers its question: two 2-core
+machines have differed by 2x in tokens per second on the same run (the one that recorded it computes in
+bf16), so a question's runs compare only within one machine (the host and compute dtype on each line), and a
+question is done when one machine has all of its runs. `run` trains what this machine lacks of the questions
+that no machine has finished. Runs of fixed steps compare across hosts with the same dtype.
+
+The plan, about 6.5 hours on the 2-core machine, and why each part:
 - shapes-300 / shapes-900: the preset's shape against three neighbours (rows of 512 with the short
   windows, one size up, nanochat's CPU shape) at its budget and at 3x, two seeds at 1x;
-- prose-300: the same shapes on a text the kit was never tuned on (benchmarks/prose_corpus.py);
-- larger-shape: whether the strong recipe (value embeddings + short windows) also helps a larger model at
-  a fixed step count: the only evidence here for the d10 default that participants run on Trainium;
 - bars-150: the preset against nanochat's shape with the organisers' architecture (no ingredients), both
-  run by the kit, at 150 s, three seeds each."""
+  run by the kit, at 150 s, three seeds each;
+- prose-300: the same shapes on a text the kit was never tuned on (benchmarks/prose_corpus.py);
+- ablation: the ingredients the presets adopted rest on one seed; a second seed for off, value
+  embeddings, windows and both (the preset as it is: `as-is`);
+- more-ingredients: trigram and `every` once, against the preset as it is;
+- larger-shape: whether the strong recipe (value embeddings + short windows) also helps a larger model at
+  a fixed step count: the only evidence here for the d10 default that participants run on Trainium."""
 from __future__ import annotations
 
 import argparse
@@ -56,39 +63,83 @@ class Part:
                 ",".join(map(str, self.seeds)), "--eval-tokens", str(EVAL_TOKENS), "--text", self.text, *data,
                 "--results", str(RESULTS)]
 
-    def keys(self) -> list[dict]:
+    def keys(self, host: str, dtype: str) -> list[dict]:
         length = f"{self.max_steps} steps" if self.max_steps else f"{self.budget:g}s"
         return [{"base": "cpu", "shape": shape, "ingredients": spec, "seed": str(seed), "length": length,
-                 "text": self.text, "extra": "", "device": "cpu", "eval_tokens": str(EVAL_TOKENS)}
-                for shape in self.shapes for spec in self.specs for seed in self.seeds]
+                 "text": self.text, "extra": "", "device": "cpu", "eval_tokens": str(EVAL_TOKENS), "host": host,
+                 "dtype": dtype} for shape in self.shapes for spec in self.specs for seed in self.seeds]
 
 
-PLAN = [  # in the order run: the parts that decide the preset first, each whole before the next (larger-shape
-    # counts steps, not seconds, so its val_bpb does not depend on what else the machine runs)
-    Part("ablation", ("now",), ("off", "value-embeds", "windows", "as-is"), (1, 2)),
-    Part("larger-shape", ("d6-w384-s512-b4k",), ("off", "value-embeds+windows"), (1,), max_steps=400,
-         minutes_per_run=20.0),
+PLAN = [  # in the order run, each question whole before the next: the ones that decide the preset first
+    Part("shapes-300", SHAPES, ("as-is",), (1, 2)),
     Part("bars-150", ("now",), ("as-is",), (1, 2, 3), budget=150.0, minutes_per_run=4.5),
     Part("bars-150", ("nanochat-cpu",), ("off",), (1, 2, 3), budget=150.0, minutes_per_run=4.5),
-    Part("shapes-300", SHAPES, ("as-is",), (1, 2)),
     Part("shapes-900", SHAPES, ("as-is",), (1,), budget=900.0, minutes_per_run=17.0),
     Part("shapes-900", ("now",), ("as-is",), (2,), budget=900.0, minutes_per_run=17.0),
     Part("prose-300", SHAPES, ("as-is",), (1, 2), text="prose"),
-    Part("ablation", ("now",), ("trigram", "every"), (1,)),
+    Part("ablation", ("now",), ("off", "value-embeds", "windows", "as-is"), (1, 2)),
+    Part("more-ingredients", ("now",), ("as-is", "trigram", "every"), (1,)),
+    # counts steps, not seconds: its val_bpb does not depend on the host or on what else the machine runs
+    Part("larger-shape", ("d6-w384-s512-b4k",), ("off", "value-embeds+windows"), (1,), max_steps=400,
+         minutes_per_run=45.0),
 ]
+QUESTIONS = list(dict.fromkeys(part.question for part in PLAN))
 
 
 def table() -> S.ResultsTable:
     return S.ResultsTable(RESULTS)
 
 
+def here() -> tuple[str, str]:
+    """This machine's host and compute dtype, as preset_sweep.py records them."""
+    return S.host_name("cpu"), S.dtype_name("cpu", "")
+
+
+def machine(row: dict) -> str:
+    """The machine a line's value belongs to: its host and dtype, or its dtype alone for a fixed step count
+    (lines of one question compare only within one machine)."""
+    return row["dtype"] if row["length"].endswith("steps") else f"{row['host']}, {row['dtype']}"
+
+
+def by_machine(question: str, rows: list[dict]) -> dict[str, list[tuple[dict, dict | None]]]:
+    """Per machine that ran any of the question's runs: each planned run and its line there (or None)."""
+    keys = [k for p in PLAN if p.question == question for k in p.keys("", "")]
+    found: dict[str, list[tuple[dict, dict | None]]] = {}
+    for row in rows:
+        if any(all(row[f] == k[f] for f in S.KEY_FIELDS if f not in ("host", "dtype")) for k in keys):
+            found.setdefault(machine(row), [])
+    for name in found:
+        for key in keys:
+            match = [r for r in rows if machine(r) == name and all(r[f] == key[f] for f in S.KEY_FIELDS
+                                                                    if f not in ("host", "dtype"))]
+            found[name].append((key, match[0] if match else None))
+    return found
+
+
+def complete_on(question: str, rows: list[dict]) -> str | None:
+    """The machine that has every run of the question, if one has."""
+    return next((name for name, runs in by_machine(question, rows).items() if all(r for _, r in runs)), None)
+
+
+def missing_here(question: str, rows: list[dict]) -> list[tuple[Part, dict]]:
+    host, dtype = here()
+    return [(part, key) for part in PLAN if part.question == question for key in part.keys(host, dtype)
+            if not any(S.same_run(row, key) for row in rows)]
+
+
 def status() -> None:
-    done_table, left_minutes = table(), 0.0
-    for part in PLAN:
-        keys = part.keys()
-        done = sum(done_table.find(k) is not None for k in keys)
-        left_minutes += (len(keys) - done) * part.minutes_per_run
-        print(f"{part.question:<13} {done}/{len(keys)} runs: {' '.join(part.sweep_args()[:-2])}")
+    rows, left_minutes = table().rows, 0.0
+    print(f"this machine: {', '.join(here())}")
+    for question in QUESTIONS:
+        done_on = complete_on(question, rows)
+        if done_on:
+            print(f"{question:<17} done on {done_on}")
+            continue
+        left = missing_here(question, rows)
+        left_minutes += sum(part.minutes_per_run for part, _ in left)
+        total = sum(len(part.keys("", "")) for part in PLAN if part.question == question)
+        print(f"{question:<17} {total - len(left)}/{total} runs on this machine; left: "
+              f"{', '.join(k['shape'] + ' ' + k['ingredients'] + ' seed ' + k['seed'] for _, k in left)}")
     print(f"about {left_minutes / 60:.1f} hours of runs left (alone on the 2-core machine)")
 
 
@@ -96,12 +147,10 @@ def run(commit: bool, only: str | None) -> None:
     subprocess.run([sys.executable, str(REPO / "prepare.py"), "setup", "--source", "stdlib"], check=True, cwd=REPO)
     if any(part.text == "prose" and only in (None, part.question) for part in PLAN) and not (PROSE / "data").exists():
         subprocess.run([sys.executable, str(REPO / "benchmarks" / "prose_corpus.py"), "--out", str(PROSE)], check=True)
-    for part in PLAN:
-        if (only and part.question != only) or all(table().find(k) is not None for k in part.keys()):
+    for question in QUESTIONS:
+        if (only and question != only) or complete_on(question, table().rows):
             continue
-        for key in part.keys():  # one run per sweep, so that each finished run is committed at once
-            if table().find(key) is not None:
-                continue
+        for part, key in missing_here(question, table().rows):  # one run per sweep: each committed at once
             single = Part(part.question, (key["shape"],), (key["ingredients"],), (int(key["seed"]),), part.budget,
                           part.max_steps, part.text)
             subprocess.run([sys.executable, str(REPO / "benchmarks" / "preset_sweep.py"), *single.sweep_args(),
@@ -116,33 +165,33 @@ def run(commit: bool, only: str | None) -> None:
 
 def tables() -> None:
     rows = table().rows
-    for question in dict.fromkeys(part.question for part in PLAN):
-        parts = [p for p in PLAN if p.question == question]
-        keys = [k for p in parts for k in p.keys()]
-        groups: dict = {}
-        for key in keys:
-            found = [r for r in rows if all(r[f] == key[f] for f in S.KEY_FIELDS)]
-            groups.setdefault((key["shape"], key["ingredients"], key["length"], key["text"]), []).extend(found)
-        print(f"\n{question}\n")
-        print("| shape | ingredients | length | text | params | steps | tokens/s | val_bpb per seed | mean | spread |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for (shape, spec, length, text), found in groups.items():
-            if not found:
-                print(f"| {shape} | {spec} | {length} | {text} | not run yet | | | | | |")
-                continue
-            values = [float(r["val_bpb"]) for r in found]
-            per_seed = ", ".join(f"{r['seed']}: {float(r['val_bpb']):.4f}" for r in found)
-            print(f"| {shape} | {spec} | {length} | {text} | {float(found[0]['params_M']):.2f}M | "
-                  f"{round(statistics.mean(float(r['steps']) for r in found))} | "
-                  f"{statistics.mean(float(r['tok_s']) for r in found):,.0f} | {per_seed} | "
-                  f"{statistics.mean(values):.4f} | {max(values) - min(values):.4f} |")
+    for question in QUESTIONS:
+        print(f"\n{question}")
+        for name, runs in by_machine(question, rows).items():
+            print(f"\non {name}{' (complete)' if all(r for _, r in runs) else ''}\n")
+            print("| shape | ingredients | length | text | params | steps | tokens/s | val_bpb per seed | mean | spread |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            groups: dict = {}
+            for key, row in runs:
+                groups.setdefault((key["shape"], key["ingredients"], key["length"], key["text"]), []).append(row)
+            for (shape, spec, length, text), found in groups.items():
+                found = [r for r in found if r]
+                if not found:
+                    print(f"| {shape} | {spec} | {length} | {text} | not run here | | | | | |")
+                    continue
+                values = [float(r["val_bpb"]) for r in found]
+                per_seed = ", ".join(f"{r['seed']}: {float(r['val_bpb']):.4f}" for r in found)
+                print(f"| {shape} | {spec} | {length} | {text} | {float(found[0]['params_M']):.2f}M | "
+                      f"{round(statistics.mean(float(r['steps']) for r in found))} | "
+                      f"{statistics.mean(float(r['tok_s']) for r in found):,.0f} | {per_seed} | "
+                      f"{statistics.mean(values):.4f} | {max(values) - min(values):.4f} |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("status", "run", "tables"))
     parser.add_argument("--commit", action="store_true", help="git commit the results table after each run")
-    parser.add_argument("--only", choices=list(dict.fromkeys(part.question for part in PLAN)), default=None,
+    parser.add_argument("--only", choices=QUESTIONS, default=None,
                         help="run one question's part(s) only (larger-shape counts steps, so it may share the machine)")
     args = parser.parse_args()
     {"status": status, "tables": tables}.get(args.what, lambda: run(args.commit, args.only))()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import torch  # noqa: E402
 import train as T  # noqa: E402  (the ingredients and their flags)
 
 # name -> train.py flags (on top of --preset BASE). Widths: depth x aspect ratio, rounded up to the head size.
@@ -99,8 +101,41 @@ def ingredient_flags(spec: str) -> list[str]:
 
 
 RESULT_FIELDS = ("commit", "base", "shape", "ingredients", "seed", "length", "text", "extra", "device", "eval_tokens",
-                 "params_M", "steps", "tokens_M", "tok_s", "startup_s", "charged_s", "val_bpb", "wall_s", "command")
-KEY_FIELDS = ("base", "shape", "ingredients", "seed", "length", "text", "extra", "device", "eval_tokens")
+                 "host", "dtype", "params_M", "steps", "tokens_M", "tok_s", "startup_s", "charged_s", "val_bpb",
+                 "wall_s", "command")
+# What makes two runs the same run. A run of fixed wall-clock time is only repeated on the same host: what it
+# learns in its budget depends on how fast the machine is (one 2-core machine trains 2x the tokens/s of
+# another); a run of fixed steps computes the same thing on any host with the same compute dtype.
+KEY_FIELDS = ("base", "shape", "ingredients", "seed", "length", "text", "extra", "device", "eval_tokens", "dtype",
+              "host")
+
+
+def same_run(row: dict, key: dict) -> bool:
+    """Whether a results line is the run `key` asks for (the host only counts for a wall-clock budget)."""
+    fixed_steps = key["length"].endswith("steps")
+    return all(row[k] == key[k] for k in KEY_FIELDS if not (k == "host" and fixed_steps))
+
+
+def host_name(device: str) -> str:
+    """The machine a result was measured on: the CPU's model and count, or the accelerator's name."""
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    if device != "cpu":
+        return device
+    model = platform.processor() or "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"{model} x{os.cpu_count()}"
+
+
+def dtype_name(device: str, extra: str) -> str:
+    """The compute dtype train.py picks for these runs (its --dtype from --extra, else auto)."""
+    words = extra.split()
+    chosen = words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else "auto"
+    return "bf16" if T.compute_dtype_for(device, chosen) == torch.bfloat16 else "fp32"
 
 
 class ResultsTable:
@@ -119,7 +154,7 @@ class ResultsTable:
 
     def find(self, key: dict) -> dict | None:
         for row in self.rows:
-            if all(row[k] == key[k] for k in KEY_FIELDS):
+            if same_run(row, key):
                 return {"params_M": float(row["params_M"]), "steps": int(row["steps"]), "tokens_M": float(row["tokens_M"]),
                         "tok_s": float(row["tok_s"]), "startup_s": float(row["startup_s"]),
                         "charged_s": float(row["charged_s"]), "val_bpb": float(row["val_bpb"]),
@@ -159,6 +194,8 @@ def run_one(folder: Path, cmd: list[str], score_cmd: list[str], env: dict) -> di
         print(f"  training failed (see {folder / 'train.log'})", flush=True)
         return None
     s = summary(run.stdout)
+    reported = [line.split("compute dtype:", 1)[1].split("|")[0].strip() for line in run.stdout.splitlines()
+                if "compute dtype:" in line]
     report = folder / "eval.json"
     scored = subprocess.run([*score_cmd, "--checkpoint", str(folder / "out" / "final.pt"), "--report", str(report)],
                             cwd=REPO, env=env, capture_output=True, text=True)
@@ -169,7 +206,8 @@ def run_one(folder: Path, cmd: list[str], score_cmd: list[str], env: dict) -> di
     result = {"params_M": float(s["num_params_M"]), "steps": int(s["num_steps"]),
               "tokens_M": float(s["total_tokens_M"]), "tok_s": float(s["tokens_per_second"]),
               "startup_s": float(s["startup_seconds"]), "charged_s": float(s["charged_seconds"]),
-              "val_bpb": json.loads(report.read_text())["val_bpb"], "wall_s": time.time() - t0}
+              "val_bpb": json.loads(report.read_text())["val_bpb"], "wall_s": time.time() - t0,
+              "dtype": {"torch.bfloat16": "bf16", "torch.float32": "fp32"}.get(reported[0] if reported else "", "?")}
     done.write_text(json.dumps(result, indent=1))
     return result
 
@@ -230,6 +268,8 @@ def main():
     text = args.text or (Path(args.data_dir).resolve().parent.name if args.data_dir else "stdlib")
     length_label = f"{args.max_steps} steps" if args.max_steps else f"{args.budget:g}s"
     table = ResultsTable(Path(args.results)) if args.results else None
+    host, dtype = host_name(args.device), dtype_name(args.device, args.extra)
+    print(f"host {host}, compute dtype {dtype}", flush=True)
 
     def run_grid(grid):
         for shape, spec in grid:
@@ -240,13 +280,16 @@ def main():
                        "--out-dir", str(out / name / "out"), *args.extra.split()]
                 key = {"base": args.base_preset, "shape": shape, "ingredients": spec, "seed": str(seed),
                        "length": length_label, "text": text, "extra": args.extra, "device": args.device,
-                       "eval_tokens": str(args.eval_tokens)}
+                       "eval_tokens": str(args.eval_tokens), "dtype": dtype, "host": host}
                 r = table.find(key) if table else None
                 if r is not None:
                     print(f"{name}: in {table.path} already", flush=True)
                 else:
                     print(f"{name}: {' '.join(cmd[2:])}", flush=True)
                     r = run_one(out / name, cmd, score_cmd, env)
+                    if r is not None and r.get("dtype", dtype) != dtype:
+                        raise SystemExit(f"{name}: train.py computed in {r['dtype']}, not the {dtype} expected here "
+                                         f"(see {out / name / 'train.log'})")
                     if r is not None and table:
                         table.add(key, " ".join(cmd[1:]), r)
                 if r is not None:
