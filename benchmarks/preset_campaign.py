@@ -23,7 +23,8 @@ The plan, about 6.5 hours on the 2-core machine, and why each part:
 - prose-300: the same shapes on a text the kit was never tuned on (benchmarks/prose_corpus.py);
 - ablation: the ingredients the presets adopted rest on one seed; a second seed for off, value
   embeddings, windows and both (the preset as it is: `as-is`);
-- more-ingredients: trigram and `every` once, against the preset as it is;
+- more-ingredients: trigram (the bigram and trigram tables on top of `off`) and `every` (every
+  ingredient but keep-rest) once, against `off` and the preset as it is;
 - larger-shape: whether the strong recipe (value embeddings + short windows) also helps a larger model at
   a fixed step count: the only evidence here for the d10 default that participants run on Trainium."""
 from __future__ import annotations
@@ -78,7 +79,7 @@ PLAN = [  # in the order run, each question whole before the next: the ones that
     Part("shapes-900", ("now",), ("as-is",), (2,), budget=900.0, minutes_per_run=17.0),
     Part("prose-300", SHAPES, ("as-is",), (1, 2), text="prose"),
     Part("ablation", ("now",), ("off", "value-embeds", "windows", "as-is"), (1, 2)),
-    Part("more-ingredients", ("now",), ("as-is", "trigram", "every"), (1,)),
+    Part("more-ingredients", ("now",), ("off", "as-is", "trigram", "every"), (1,)),  # trigram is on top of off
     # counts steps, not seconds: its val_bpb does not depend on the host or on what else the machine runs
     Part("larger-shape", ("d6-w384-s512-b4k",), ("off", "value-embeds+windows"), (1,), max_steps=400,
          minutes_per_run=45.0),
