@@ -181,11 +181,14 @@ def summary(stdout: str) -> dict:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in after.splitlines() if ":" in line)}
 
 
-def run_one(folder: Path, cmd: list[str], score_cmd: list[str], env: dict) -> dict | None:
-    """Train and score one run in `folder` (or read its result.json from an earlier sweep)."""
+def run_one(folder: Path, cmd: list[str], score_cmd: list[str], env: dict, host: str) -> dict | None:
+    """Train and score one run in `folder` (or read its result.json from an earlier sweep on this host)."""
     done = folder / "result.json"
     if done.exists():
-        return json.loads(done.read_text())
+        earlier = json.loads(done.read_text())
+        if earlier.get("host") == host:
+            return earlier
+        print(f"  {done} is from another host ({earlier.get('host', 'unrecorded')}): running it again", flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -206,7 +209,7 @@ def run_one(folder: Path, cmd: list[str], score_cmd: list[str], env: dict) -> di
     result = {"params_M": float(s["num_params_M"]), "steps": int(s["num_steps"]),
               "tokens_M": float(s["total_tokens_M"]), "tok_s": float(s["tokens_per_second"]),
               "startup_s": float(s["startup_seconds"]), "charged_s": float(s["charged_seconds"]),
-              "val_bpb": json.loads(report.read_text())["val_bpb"], "wall_s": time.time() - t0,
+              "val_bpb": json.loads(report.read_text())["val_bpb"], "wall_s": time.time() - t0, "host": host,
               "dtype": {"torch.bfloat16": "bf16", "torch.float32": "fp32"}.get(reported[0] if reported else "", "?")}
     done.write_text(json.dumps(result, indent=1))
     return result
@@ -286,7 +289,7 @@ def main():
                     print(f"{name}: in {table.path} already", flush=True)
                 else:
                     print(f"{name}: {' '.join(cmd[2:])}", flush=True)
-                    r = run_one(out / name, cmd, score_cmd, env)
+                    r = run_one(out / name, cmd, score_cmd, env, host)
                     if r is not None and r.get("dtype", dtype) != dtype:
                         raise SystemExit(f"{name}: train.py computed in {r['dtype']}, not the {dtype} expected here "
                                          f"(see {out / name / 'train.log'})")
