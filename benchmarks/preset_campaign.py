@@ -27,7 +27,11 @@ The plan, about 6.5 hours on the 2-core machine, and why each part:
 - more-ingredients: trigram (the bigram and trigram tables on top of `off`) and `every` (every
   ingredient but keep-rest) once, against `off` and the preset as it is;
 - larger-shape: whether the strong recipe (value embeddings + short windows) also helps a larger model at
-  a fixed step count: the only evidence here for the d10 default that participants run on Trainium."""
+  a fixed step count: the only evidence here for the d10 default that participants run on Trainium;
+- shapes-900-fp32: the preset and rows of 512 at 900 s on a machine that computes in fp32 (no AVX-512 BF16)
+  at about half the tokens/s. On the bf16 machine rows of 512 won at 900 s, where the preset's rows of 256
+  passed 3.8 times over the part of the text they reach (README, "How much of the text a row length trains
+  on"); here they pass about 1.6 times: whether the crossing is in tokens, not seconds."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +61,7 @@ class Part:
     max_steps: int = 0
     text: str = "stdlib"
     minutes_per_run: float = 7.0  # the budget, start-up and the scoring of 2^19 tokens, measured
+    dtype: str = ""  # the compute dtype the question is asked on ("": any machine)
 
     def sweep_args(self) -> list[str]:
         length = ["--max-steps", str(self.max_steps)] if self.max_steps else ["--budget", f"{self.budget:g}"]
@@ -86,6 +91,8 @@ PLAN = [  # in the order run, each question whole before the next: the ones that
     # counts steps, not seconds: its val_bpb does not depend on the host or on what else the machine runs
     Part("larger-shape", ("d6-w384-s512-b4k",), ("off", "value-embeds+windows"), (1,), max_steps=400,
          minutes_per_run=45.0),
+    Part("shapes-900-fp32", ("now", "d3-w192-s512-b4k"), ("as-is",), (1,), budget=900.0, minutes_per_run=18.0,
+         dtype="fp32"),
 ]
 QUESTIONS = list(dict.fromkeys(part.question for part in PLAN))
 
@@ -107,15 +114,18 @@ def machine(row: dict) -> str:
 
 def by_machine(question: str, rows: list[dict]) -> dict[str, list[tuple[dict, dict | None]]]:
     """Per machine that ran any of the question's runs: each planned run and its line there (or None)."""
-    keys = [k for p in PLAN if p.question == question for k in p.keys("", "")]
+    keys = [k for p in PLAN if p.question == question for k in p.keys("", p.dtype)]
+
+    def answers(row: dict, key: dict) -> bool:
+        return key["dtype"] in ("", row["dtype"]) and all(row[f] == key[f] for f in S.KEY_FIELDS
+                                                          if f not in ("host", "dtype"))
     found: dict[str, list[tuple[dict, dict | None]]] = {}
     for row in rows:
-        if any(all(row[f] == k[f] for f in S.KEY_FIELDS if f not in ("host", "dtype")) for k in keys):
+        if any(answers(row, k) for k in keys):
             found.setdefault(machine(row), [])
     for name in found:
         for key in keys:
-            match = [r for r in rows if machine(r) == name and all(r[f] == key[f] for f in S.KEY_FIELDS
-                                                                    if f not in ("host", "dtype"))]
+            match = [r for r in rows if machine(r) == name and answers(r, key)]
             found[name].append((key, match[0] if match else None))
     return found
 
@@ -127,8 +137,12 @@ def complete_on(question: str, rows: list[dict]) -> str | None:
 
 def missing_here(question: str, rows: list[dict]) -> list[tuple[Part, dict]]:
     host, dtype = here()
-    return [(part, key) for part in PLAN if part.question == question for key in part.keys(host, dtype)
-            if not any(S.same_run(row, key) for row in rows)]
+    return [(part, key) for part in PLAN if part.question == question and part.dtype in ("", dtype)
+            for key in part.keys(host, dtype) if not any(S.same_run(row, key) for row in rows)]
+
+
+def asked_here(question: str) -> bool:
+    return any(part.question == question and part.dtype in ("", here()[1]) for part in PLAN)
 
 
 def status() -> None:
@@ -138,6 +152,10 @@ def status() -> None:
         done_on = complete_on(question, rows)
         if done_on:
             print(f"{question:<17} done on {done_on}")
+            continue
+        if not asked_here(question):
+            needs = sorted({part.dtype for part in PLAN if part.question == question})
+            print(f"{question:<17} asked on a machine that computes in {', '.join(needs)}, not this one")
             continue
         left = missing_here(question, rows)
         left_minutes += sum(part.minutes_per_run for part, _ in left)
