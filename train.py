@@ -2261,7 +2261,9 @@ PRESETS = {
     # machine (val_bpb 1.265 against 1.585 for the depth-4, width-384 model it replaced; table in the
     # README), with the adopted ingredients on top. Small (4.5M parameters before the value embeddings'
     # 3.1M, under a token each in 5 minutes) and short rows, so ~600 steps of 4K tokens; compiled,
-    # because eager elementwise work on the 8192-wide logits dominates a CPU step.
+    # because eager elementwise work on the 8192-wide logits dominates a CPU step. Rows of 256 reach only
+    # the start of each document: once a run passes over the text twice (`epoch: 3`), --seq-len 512 wins
+    # (benchmarks/preset_campaign.py; README, "Presets that hold beyond their budget and text").
     "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
                 compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, **ADOPTED_INGREDIENTS),
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
