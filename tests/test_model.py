@@ -174,3 +174,14 @@ def test_cpu_profile_says_how_the_peak_was_measured():
     profile = T.device_profile("cpu", "fp32")
     assert profile.peak_flops > 1e9 and profile.compute_dtype is None
     assert "1-thread fp32 matmul" in profile.peak_source and f"x {T.cpu_threads()} threads" in profile.peak_source
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_onednn_has_fast_bf16(monkeypatch, fast_bf16):
+    """A CPU without AVX-512 BF16 or AMX runs bf16 matmuls tens of times slower than fp32 (README,
+    "Benchmarks"), so `--dtype auto` trains in fp32 there; an explicit --dtype is always obeyed."""
+    monkeypatch.setattr(T.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast_bf16)
+    assert T.compute_dtype_for("cpu") is (torch.bfloat16 if fast_bf16 else None)
+    assert T.compute_dtype_for("cpu", "bf16") is torch.bfloat16
+    assert T.compute_dtype_for("cpu", "fp32") is None
+    assert T.device_profile("cpu", "auto", peak_tflops=1.0).compute_dtype is (torch.bfloat16 if fast_bf16 else None)
