@@ -15,7 +15,7 @@ bf16), so a question's runs compare only within one machine (the host and comput
 question is done when one machine has all of its runs. `run` trains what this machine lacks of the questions
 that no machine has finished. Runs of fixed steps compare across hosts with the same dtype.
 
-The plan, about 8 hours on the 2-core machine, and why each part:
+The plan, about 7.5 hours on the 2-core machine, and why each part:
 - shapes-300 / shapes-900: the preset's shape against three neighbours (rows of 512 with the short
   windows, one size up, nanochat's CPU shape) at its budget and at 3x, two seeds at 1x
   (at 3x: the preset and rows of 512);
