@@ -2007,18 +2007,23 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
 # organisers' prepare.py gives train.py the constants and record_step_boundary, not its ledger's
 # figures, so train.py counts for itself; the harness's ledger counts from the same step boundaries.
 
-IMPORTED_AT = time.time()
+def clock_seconds() -> float:
+    """The budget's clock: Linux's boot clock (the one /proc/self/stat dates the process's start on),
+    else a monotonic one. Never time.time(): NTP or a virtual machine's resume can step it mid-run."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
+IMPORTED_AT = clock_seconds()
 
 
 def process_start_time() -> float:
-    """time.time() when this process started: on Linux from /proc (the interpreter's start and the
+    """clock_seconds() when this process started: on Linux from /proc (the interpreter's start and the
     imports count); elsewhere when train.py was imported, which is later, so it charges less."""
     try:
-        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):  # field 22 above: the start, in ticks of the boot clock
         return IMPORTED_AT
+    return started if hasattr(time, "CLOCK_BOOTTIME") and 0 <= started <= IMPORTED_AT else IMPORTED_AT
 
 
 class BudgetClock:
@@ -2029,11 +2034,11 @@ class BudgetClock:
     def step_done(self) -> int:
         """Note the end of an optimizer step; returns its index in this process (what
         record_step_boundary takes: a resumed process starts again from 0, with its own start-up)."""
-        self.step_ends.append(time.time())
+        self.step_ends.append(clock_seconds())
         return len(self.step_ends) - 1
 
     def status(self, budget_seconds: float) -> dict:
-        now = time.time()
+        now = clock_seconds()
         started_up = len(self.step_ends) >= TRAIN_STARTUP_STEPS_EXCLUDED
         startup = (self.step_ends[TRAIN_STARTUP_STEPS_EXCLUDED - 1] if started_up else now) - self.started
         allowance = min(startup, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)

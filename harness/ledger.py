@@ -13,19 +13,26 @@ from harness.common import BudgetError
 from harness.config import TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED, TRAIN_TIME_BUDGET_SECONDS
 
 
+def clock() -> float:
+    """Seconds on the clock the ledger counts with: the kernel's boot clock on Linux (the clock
+    /proc/self/stat gives the process's start on), else a monotonic clock. Never the wall clock,
+    which NTP or a virtual machine's resume can step by seconds in the middle of a run."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 def process_start_time() -> float:
-    """Wall-clock time (time.time()) at which this process started. Read from /proc on Linux;
-    elsewhere the time this module was imported, which is later, so it charges less."""
+    """clock() at which this process started. Read from /proc on Linux, so the interpreter's start
+    and the imports count; elsewhere, or if /proc disagrees with the clock, the time this module
+    was imported, which is later, so it charges less."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        started_ticks = int(fields[19])  # field 22 of stat: start time in clock ticks after boot
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start in ticks of the boot clock
     except (OSError, ValueError, IndexError):
-        return _IMPORT_TIME
+        return _IMPORTED_AT
+    return started if hasattr(time, "CLOCK_BOOTTIME") and 0 <= started <= _IMPORTED_AT else _IMPORTED_AT
 
 
-_IMPORT_TIME = time.time()
+_IMPORTED_AT = clock()
 _PROCESS_START = process_start_time()
 
 
@@ -57,7 +64,7 @@ def record_step_boundary(step: int) -> dict:
     if step != expected:
         raise BudgetError(f"record_step_boundary({step}): steps must arrive consecutively from "
                           f"{_LEDGER['first_step']}, one call after each optimizer step; expected step {expected}")
-    now = time.time()
+    now = clock()
     if _LEDGER["startup_end"] is None and step - _LEDGER["first_step"] >= TRAIN_STARTUP_STEPS_EXCLUDED - 1:
         _LEDGER["startup_end"] = now
     _LEDGER["last_step"] = step
@@ -79,7 +86,7 @@ def median_step_seconds() -> float | None:
 def budget_status(budget_seconds: float = TRAIN_TIME_BUDGET_SECONDS, now: float | None = None) -> dict:
     """Seconds charged so far against the budget. Until start-up ends, all elapsed time counts as
     start-up (so nothing is charged below the cap)."""
-    now = time.time() if now is None else now
+    now = clock() if now is None else now
     elapsed = now - _PROCESS_START
     startup = (_LEDGER["startup_end"] - _PROCESS_START) if _LEDGER["startup_end"] is not None else elapsed
     allowance = min(startup, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)

@@ -19,7 +19,7 @@ def clock(monkeypatch):
     now = {"t": 1000.0}
     monkeypatch.setattr(ledger, "_PROCESS_START", 1000.0)
     monkeypatch.setattr(ledger, "_LEDGER", ledger._fresh_ledger())
-    monkeypatch.setattr(ledger.time, "time", lambda: now["t"])
+    monkeypatch.setattr(ledger, "clock", lambda: now["t"])
     return now
 
 
@@ -108,9 +108,26 @@ def test_bad_step_is_rejected(clock):
 
 
 def test_process_start_is_before_import():
-    start = ledger.process_start_time()
-    assert start <= ledger._IMPORT_TIME <= time.time()
-    assert time.time() - start < 24 * 3600
+    assert ledger._PROCESS_START <= ledger._IMPORTED_AT <= ledger.clock()
+    assert ledger.process_start_time() == ledger._PROCESS_START  # one clock: the same answer at any later time
+    assert ledger.clock() - ledger._PROCESS_START < 24 * 3600
+
+
+def test_the_interpreter_start_and_imports_are_counted():
+    code = "import time; time.sleep(0.5); from harness import ledger; print(ledger.budget_status()['elapsed_seconds'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert 0.5 <= float(out.stdout) < 60
+
+
+def test_a_step_of_the_wall_clock_is_not_charged(monkeypatch):
+    """NTP, or a virtual machine's resume, can step time.time() by seconds mid-run: charged time
+    follows the elapsed seconds, not the wall clock's jumps."""
+    monkeypatch.setattr(ledger, "_LEDGER", ledger._fresh_ledger())
+    before = ledger.budget_status()["elapsed_seconds"]
+    wall = time.time
+    for jump in (3600.0, -3600.0):
+        monkeypatch.setattr(time, "time", lambda jump=jump: wall() + jump)
+        assert 0 <= ledger.budget_status()["elapsed_seconds"] - before < 5.0
 
 
 @pytest.mark.slow

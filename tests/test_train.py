@@ -169,7 +169,7 @@ def test_the_budget_clock_follows_the_rule(monkeypatch):
     the end of this process's step TRAIN_STARTUP_STEPS_EXCLUDED - 1, at most the cap, and a resumed
     run's earlier charged seconds carry over."""
     now = {"t": 1000.0}
-    monkeypatch.setattr(T.time, "time", lambda: now["t"])
+    monkeypatch.setattr(T, "clock_seconds", lambda: now["t"])
     clock = T.BudgetClock(carried_seconds=50.0)
     clock.started = 1000.0
     for step in range(T.TRAIN_STARTUP_STEPS_EXCLUDED):
@@ -189,6 +189,17 @@ def test_the_budget_clock_follows_the_rule(monkeypatch):
         slow.step_done()
     assert slow.status(1e9)["startup_allowance_seconds"] == T.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS
     assert slow.charged_seconds() == 1004.0 - T.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS
+
+
+def test_the_budget_clock_ignores_a_step_of_the_wall_clock(monkeypatch):
+    """NTP, or a virtual machine's resume, can step time.time() mid-run; charged time counts elapsed seconds."""
+    clock = T.BudgetClock()
+    assert clock.started <= T.IMPORTED_AT <= T.clock_seconds()
+    before = clock.status(1e9)["elapsed_seconds"]
+    wall = T.time.time
+    for jump in (3600.0, -3600.0):
+        monkeypatch.setattr(T.time, "time", lambda jump=jump: wall() + jump)
+        assert 0 <= clock.status(1e9)["elapsed_seconds"] - before < 5.0
 
 
 def test_default_model_is_about_59_6M_parameters():
