@@ -1,6 +1,7 @@
 """Shared test helpers: tiny generated data, the shipped tokenizer, toy models."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -133,6 +134,38 @@ def setup_in_process(args: list[str], env_extra: dict | None = None) -> subproce
 
 
 # --- toy models for the metric ------------------------------------------------------------------
+
+def bf16_matmuls_are_slow() -> bool:
+    """True on a CPU without oneDNN's fast bf16 (no AVX-512 BF16): there PyTorch's bf16 GEMM is a
+    reference loop, ~7x slower than fp32 at the tiny model's vocabulary projection."""
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@contextlib.contextmanager
+def bf16_linears_on_the_fp32_gemm():
+    """Inside: every linear that runs in bf16 (bf16 inputs, or under CPU autocast to bf16) computes
+    what the bf16 GEMM computes (bf16 operands, exact products summed in fp32, one rounding to bf16),
+    with the fp32 GEMM: a different summation order, so a few outputs in 10^4 land one bf16 step
+    apart (tests/test_checks.py measures it). Activations, attention and the logits stay bf16. Used
+    by in-process checks on hosts where bf16_matmuls_are_slow(); command runs keep the real kernel."""
+    import torch.nn.functional as F
+    linear = F.linear
+
+    def as_fp32_gemm(x, weight, bias=None):
+        in_bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
+                                                and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        if not in_bf16:
+            return linear(x, weight, bias)
+        with torch.autocast("cpu", enabled=False):
+            y = linear(x.bfloat16().float(), weight.bfloat16().float(), None if bias is None else bias.bfloat16().float())
+        return y.bfloat16()
+
+    F.linear = as_fp32_gemm
+    try:
+        yield
+    finally:
+        F.linear = linear
+
 
 class UniformModel(nn.Module):
     def __init__(self, vocab: int):

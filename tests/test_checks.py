@@ -4,6 +4,7 @@ checks, through the sandboxed workers; with a control that shows it works where 
 reach), and the kit's own checkpoint, in fp32 and bf16, passes every check under many secrets."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import random
@@ -23,7 +24,7 @@ from harness.core.prompts import build_request, shuffled_and_capped
 from harness.core.scoring import evaluate_core
 from harness.core.verify import VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples
 from harness import metric as M
-from helpers import REPO, prepare_in_process
+from helpers import REPO, bf16_linears_on_the_fp32_gemm, bf16_matmuls_are_slow, prepare_in_process
 from hostile import SEQ, TOKENS, evaluate, participant
 
 HUGE = '''
@@ -340,6 +341,31 @@ def secret_sample(samples: list, rng: random.Random, per_task: int = 8) -> list:
     return [s for pool in tasks.values() for s in rng.sample(pool, min(per_task, len(pool)))]
 
 
+def test_bf16_linears_on_the_fp32_gemm_compute_what_the_bf16_gemm_computes(tiny_checkpoint):
+    """The stand-in for a slow bf16 GEMM (helpers), at the tiny model's shapes, against PyTorch's bf16
+    kernel on this host: each output equal but for one bf16 rounding of a sum taken in another order,
+    and equal for all but a few in 10^3 (measured: 4e-5 of a [1024, 64] x [64, 8192] projection); through the whole model, under the
+    kit's autocast, bf16 logits whose log-probs stay within 0.1 nats of the real kernel's (measured:
+    0.036 at [8, 128]), and the same logits at any batch size."""
+    torch.manual_seed(0)
+    x, w = torch.randn(1024, 64, dtype=torch.bfloat16), torch.randn(8192, 64, dtype=torch.bfloat16)
+    linear = torch.nn.functional.linear
+    real = linear(x, w)
+    with bf16_linears_on_the_fp32_gemm():
+        emulated = torch.nn.functional.linear(x, w)
+    assert torch.nn.functional.linear is linear and emulated.dtype == torch.bfloat16
+    # summation order moves a sum by ~2^-24 of its products' magnitudes; one bf16 step is at most 2^-7 of a value
+    slack = 2**-7 * real.float().abs() + 2**-20 * (x.float().abs() @ w.float().abs().T)
+    assert ((emulated.float() - real.float()).abs() <= slack).all() and (emulated != real).float().mean() < 2e-3
+    model, idx = kit_model(tiny_checkpoint, torch.bfloat16), torch.randint(4, 8192, (8, 128))
+    with torch.no_grad():
+        real = model(idx).float().log_softmax(-1)
+        with bf16_linears_on_the_fp32_gemm():
+            emulated = model(idx).float().log_softmax(-1)
+            wider = model(torch.cat([idx, idx.flip(0)]))[:8].float().log_softmax(-1)
+    assert 0 < (emulated - real).abs().max() < 0.1 and torch.equal(emulated, wider)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch, dtype):
@@ -352,19 +378,21 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
     import inference
     model, tok = kit_model(tiny_checkpoint, DTYPES[dtype]), prepare.ensure_tokenizer()
     refusals = []
-    for _ in range(SECRETS):
-        check = prepare.causality_check(model, tok, 8, 128, "cpu", max_rows=24)
-        if not check["passed"]:
-            refusals.append(check["message"])
-    rng = random.SystemRandom()
     near = make_bundle(tmp_path / "near", NEAR_TIE_TASKS, make_near_tie_examples)
-    for bundle in (make_bundle(tmp_path), near):
-        _, samples = core_in_process(inference.Scorer(model, torch.device("cpu")), bundle, tok)
-        for _ in range(SECRETS // 2):
-            try:
-                refuse_bias(verify_in_process(model, secret_sample(samples, rng), tok)["bias"])
-            except CoreError as e:
-                refusals.append(str(e))
+    # in process, where bf16 GEMMs are a slow reference loop: the same arithmetic on the fp32 GEMM (helpers)
+    with bf16_linears_on_the_fp32_gemm() if dtype == "bf16" and bf16_matmuls_are_slow() else contextlib.nullcontext():
+        for _ in range(SECRETS):
+            check = prepare.causality_check(model, tok, 8, 128, "cpu", max_rows=24)
+            if not check["passed"]:
+                refusals.append(check["message"])
+        rng = random.SystemRandom()
+        for bundle in (make_bundle(tmp_path), near):
+            _, samples = core_in_process(inference.Scorer(model, torch.device("cpu")), bundle, tok)
+            for _ in range(SECRETS // 2):
+                try:
+                    refuse_bias(verify_in_process(model, secret_sample(samples, rng), tok)["bias"])
+                except CoreError as e:
+                    refusals.append(str(e))
     assert refusals == []
     kit = kit_with_dtype(tmp_path / "kit", dtype)
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
