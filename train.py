@@ -964,7 +964,7 @@ class Run:
         if self.training_seconds <= 0:
             raise SystemExit(f"error: --time-budget {recipe.time_budget}s leaves no time to train after the "
                              f"{self.reserve:.0f}s kept for saving the checkpoint")
-        self.snapshot_seconds, self.last_snapshot = self.reserve, time.time()
+        self.snapshot_seconds, self.last_snapshot = self.reserve, clock_seconds()
         self.flops_per_token = model.flops_per_token()
         profile = self.profile
         print0(f"device: {self.device} x {self.world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
@@ -980,7 +980,7 @@ class Run:
         if options.resume:
             print0(f"resumed: {options.resume} at step {self.state.step}, {self.state.charged_seconds:.1f}s charged "
                    "so far")
-        self._mark = time.time()  # the first step starts now
+        self._mark = clock_seconds()  # the first step starts now
         if options.compile:
             return torch.compile(model, backend=profile.compile_backend, dynamic=False)
         return model
@@ -996,10 +996,10 @@ class Run:
             time.sleep(options.inject_slow_first_step)
         synchronize(self.device)
         record_step_boundary(self.clock.step_done())  # the harness's budget ledger
-        charged, dt = self.clock.charged_seconds(), time.time() - self._mark
+        charged, dt = self.clock.charged_seconds(), clock_seconds() - self._mark
         self.step_times.append(dt)
         state.tokens_seen += self.recipe.total_batch_size
-        snapshot_due = options.save_every > 0 and any_rank(time.time() - self.last_snapshot >= options.save_every,
+        snapshot_due = options.save_every > 0 and any_rank(clock_seconds() - self.last_snapshot >= options.save_every,
                                                            self.device, self.world_size)
         stop = out_of_time(charged, self.step_times, self.snapshot_seconds if snapshot_due else 0.0,
                            self.training_seconds) or 0 < self.recipe.max_steps <= state.step + 1
@@ -1014,12 +1014,12 @@ class Run:
             self._print_progress(dt, progress, lrm, charged, loader_state)
         state.step += 1
         if snapshot_due and not stop:
-            t0 = time.time()
+            t0 = clock_seconds()
             save_snapshot(Path(options.out_dir) / STATE_DIR, self.model, self.optimizer, state, self.recipe,
                           self.geometry, self.rank, self.clock)
-            self.last_snapshot = time.time()
+            self.last_snapshot = clock_seconds()
             self.snapshot_seconds = self.last_snapshot - t0
-        self._mark = time.time()  # the next step starts now
+        self._mark = clock_seconds()  # the next step starts now
         return stop
 
     def _print_progress(self, dt: float, progress: float, lrm: float, charged: float, loader_state: dict) -> None:
@@ -2014,6 +2014,7 @@ def clock_seconds() -> float:
 
 
 IMPORTED_AT = clock_seconds()
+PROCESS_START_LIMIT = 3600.0  # s before the import: an earlier start read from /proc is not believed
 
 
 def process_start_time() -> float:
@@ -2023,7 +2024,8 @@ def process_start_time() -> float:
         started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):  # field 22 above: the start, in ticks of the boot clock
         return IMPORTED_AT
-    return started if hasattr(time, "CLOCK_BOOTTIME") and 0 <= started <= IMPORTED_AT else IMPORTED_AT
+    plausible = hasattr(time, "CLOCK_BOOTTIME") and IMPORTED_AT - PROCESS_START_LIMIT <= started <= IMPORTED_AT
+    return started if plausible else IMPORTED_AT
 
 
 class BudgetClock:

@@ -22,17 +22,19 @@ def clock() -> float:
 
 def process_start_time() -> float:
     """clock() at which this process started. Read from /proc on Linux, so the interpreter's start
-    and the imports count; elsewhere, or if /proc disagrees with the clock, the time this module
-    was imported, which is later, so it charges less."""
+    and the imports count; elsewhere, or where /proc gives a start after the import or more than
+    PROCESS_START_LIMIT before it, the time this module was imported, which charges less."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start in ticks of the boot clock
     except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
-    return started if hasattr(time, "CLOCK_BOOTTIME") and 0 <= started <= _IMPORTED_AT else _IMPORTED_AT
+    plausible = hasattr(time, "CLOCK_BOOTTIME") and _IMPORTED_AT - PROCESS_START_LIMIT <= started <= _IMPORTED_AT
+    return started if plausible else _IMPORTED_AT
 
 
 _IMPORTED_AT = clock()
+PROCESS_START_LIMIT = 3600.0  # s before the import: an earlier start read from /proc (a bogus one) is not believed
 _PROCESS_START = process_start_time()
 
 

@@ -143,7 +143,7 @@ def bf16_matmuls_are_slow() -> bool:
 
 @contextlib.contextmanager
 def bf16_linears_on_the_fp32_gemm():
-    """Inside: every linear that runs in bf16 (bf16 inputs, or under CPU autocast to bf16) computes
+    """Inside: every linear that runs in bf16 (bf16 operands, or under CPU autocast to bf16) computes
     what the bf16 GEMM computes (bf16 operands, exact products summed in fp32, one rounding to bf16),
     with the fp32 GEMM: a different summation order, so a few outputs in 10^4 land one bf16 step
     apart (tests/test_checks.py measures it). Activations, attention and the logits stay bf16. Used
@@ -152,8 +152,8 @@ def bf16_linears_on_the_fp32_gemm():
     linear = F.linear
 
     def as_fp32_gemm(x, weight, bias=None):
-        in_bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
-                                                and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        in_bf16 = (x.dtype == weight.dtype == torch.bfloat16) or (torch.is_autocast_enabled("cpu")
+                                                                  and torch.get_autocast_dtype("cpu") == torch.bfloat16)
         if not in_bf16:
             return linear(x, weight, bias)
         with torch.autocast("cpu", enabled=False):

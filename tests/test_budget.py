@@ -107,10 +107,35 @@ def test_bad_step_is_rejected(clock):
             prepare.record_step_boundary(bad)
 
 
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="the process start is read from Linux's /proc")
 def test_process_start_is_before_import():
     assert ledger._PROCESS_START <= ledger._IMPORTED_AT <= ledger.clock()
     assert ledger.process_start_time() == ledger._PROCESS_START  # one clock: the same answer at any later time
-    assert ledger.clock() - ledger._PROCESS_START < 24 * 3600
+    assert ledger._IMPORTED_AT - ledger._PROCESS_START < ledger.PROCESS_START_LIMIT
+
+
+class FakeStat:
+    """/proc/self/stat of a process that started at `started` seconds on the boot clock."""
+
+    def __init__(self, started: float):
+        self.line = "1234 (py thon) S " + " ".join(["0"] * 18 + [str(round(started * os.sysconf("SC_CLK_TCK")))] * 2)
+
+    def __call__(self, path):
+        return self
+
+    def read_text(self):
+        return self.line
+
+
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="the process start is read from Linux's /proc")
+def test_a_process_start_that_cannot_be_is_replaced_by_the_import_time(monkeypatch):
+    """A start read from /proc after the import, or more than PROCESS_START_LIMIT before it (a bogus /proc),
+    is not believed: the import time charges less."""
+    monkeypatch.setattr(ledger, "_IMPORTED_AT", 10_000.0)
+    for started, believed in ((9_000.0, 9_000.0), (10_000.0, 10_000.0), (10_001.0, 10_000.0),
+                              (10_000.0 - ledger.PROCESS_START_LIMIT - 1, 10_000.0), (0.0, 10_000.0)):
+        monkeypatch.setattr(ledger, "Path", FakeStat(started))
+        assert ledger.process_start_time() == believed, started
 
 
 def test_the_interpreter_start_and_imports_are_counted():
@@ -128,6 +153,7 @@ def test_a_step_of_the_wall_clock_is_not_charged(monkeypatch):
     for jump in (3600.0, -3600.0):
         monkeypatch.setattr(time, "time", lambda jump=jump: wall() + jump)
         assert 0 <= ledger.budget_status()["elapsed_seconds"] - before < 5.0
+        assert ledger.process_start_time() == ledger._PROCESS_START <= ledger._IMPORTED_AT  # read again after it
 
 
 @pytest.mark.slow

@@ -370,7 +370,8 @@ def test_bf16_linears_on_the_fp32_gemm_compute_what_the_bf16_gemm_computes(tiny_
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch, dtype):
     """The kit's honest checkpoint through every check of eval and eval-core, with 12 secrets each in
-    process (the same checks and arithmetic as the command line; for CORE half of them on each
+    process (the same checks and arithmetic as the command line, but for bf16 on a host without fast bf16:
+    there the bf16 GEMM's arithmetic in another summation order, on the fp32 GEMM; for CORE half of them on each
     bundle, the near-ties' included, each secret verifying its own sample and testing its lean),
     and once more through each command (eval-core on the near-ties, where a lean is likeliest; the
     plain bundle's command path: test_core.py's and test_inference.py's eval-core runs)."""
@@ -379,7 +380,7 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
     model, tok = kit_model(tiny_checkpoint, DTYPES[dtype]), prepare.ensure_tokenizer()
     refusals = []
     near = make_bundle(tmp_path / "near", NEAR_TIE_TASKS, make_near_tie_examples)
-    # in process, where bf16 GEMMs are a slow reference loop: the same arithmetic on the fp32 GEMM (helpers)
+    # in process, where the bf16 GEMM is a slow reference loop: its arithmetic, summed in another order, on the fp32 GEMM
     with bf16_linears_on_the_fp32_gemm() if dtype == "bf16" and bf16_matmuls_are_slow() else contextlib.nullcontext():
         for _ in range(SECRETS):
             check = prepare.causality_check(model, tok, 8, 128, "cpu", max_rows=24)

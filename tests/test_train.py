@@ -200,6 +200,7 @@ def test_the_budget_clock_ignores_a_step_of_the_wall_clock(monkeypatch):
     for jump in (3600.0, -3600.0):
         monkeypatch.setattr(T.time, "time", lambda jump=jump: wall() + jump)
         assert 0 <= clock.status(1e9)["elapsed_seconds"] - before < 5.0
+        assert T.BudgetClock().started == clock.started <= T.IMPORTED_AT  # the start read again after it
 
 
 def test_default_model_is_about_59_6M_parameters():
