@@ -2009,7 +2009,7 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
 
 def clock_seconds() -> float:
     """The budget's clock: Linux's boot clock (the one /proc/self/stat dates the process's start on),
-    else a monotonic one. Never time.time(): NTP or a virtual machine's resume can step it mid-run."""
+    else a monotonic one. Never time.time(): NTP or settimeofday can step it mid-run."""
     return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
 

@@ -16,7 +16,7 @@ from harness.config import TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_ST
 def clock() -> float:
     """Seconds on the clock the ledger counts with: the kernel's boot clock on Linux (the clock
     /proc/self/stat gives the process's start on), else a monotonic clock. Never the wall clock,
-    which NTP or a virtual machine's resume can step by seconds in the middle of a run."""
+    which NTP or settimeofday can step by seconds in the middle of a run."""
     return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
 

@@ -145,7 +145,7 @@ def test_the_interpreter_start_and_imports_are_counted():
 
 
 def test_a_step_of_the_wall_clock_is_not_charged(monkeypatch):
-    """NTP, or a virtual machine's resume, can step time.time() by seconds mid-run: charged time
+    """NTP or settimeofday can step time.time() by seconds mid-run: charged time
     follows the elapsed seconds, not the wall clock's jumps."""
     monkeypatch.setattr(ledger, "_LEDGER", ledger._fresh_ledger())
     before = ledger.budget_status()["elapsed_seconds"]

@@ -192,7 +192,7 @@ def test_the_budget_clock_follows_the_rule(monkeypatch):
 
 
 def test_the_budget_clock_ignores_a_step_of_the_wall_clock(monkeypatch):
-    """NTP, or a virtual machine's resume, can step time.time() mid-run; charged time counts elapsed seconds."""
+    """NTP or settimeofday can step time.time() mid-run; charged time counts elapsed seconds."""
     clock = T.BudgetClock()
     assert clock.started <= T.IMPORTED_AT <= T.clock_seconds()
     before = clock.status(1e9)["elapsed_seconds"]
