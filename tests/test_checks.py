@@ -344,9 +344,9 @@ def secret_sample(samples: list, rng: random.Random, per_task: int = 8) -> list:
 def test_bf16_linears_on_the_fp32_gemm_compute_what_the_bf16_gemm_computes(tiny_checkpoint):
     """The stand-in for a slow bf16 GEMM (helpers), at the tiny model's shapes, against PyTorch's bf16
     kernel on this host: each output equal but for one bf16 rounding of a sum taken in another order,
-    and equal for all but a few in 10^3 (measured: 4e-5 of a [1024, 64] x [64, 8192] projection); through the whole model, under the
-    kit's autocast, bf16 logits whose log-probs stay within 0.1 nats of the real kernel's (measured:
-    0.036 at [8, 128]), and the same logits at any batch size."""
+    and equal for all but a few in 10^3 (measured: 4e-5 of a [1024, 64] x [64, 8192] projection);
+    through the whole model, under the kit's autocast, bf16 logits whose log-probs stay within 0.1 nats
+    of the real kernel's (measured: 0.036 at [8, 128]), and the same logits at any batch size."""
     torch.manual_seed(0)
     x, w = torch.randn(1024, 64, dtype=torch.bfloat16), torch.randn(8192, 64, dtype=torch.bfloat16)
     linear = torch.nn.functional.linear
