@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -245,6 +246,18 @@ def autocast_context(device_type: str, dtype: torch.dtype | None):
     return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+def uses_flex_attention(device: torch.device) -> bool:
+    """Whether window layers run FlexAttention: on CUDA, inside torch.compile, which fuses it into one kernel
+    that skips the blocks outside the window (a dense boolean mask rules out SDPA's flash kernels). Elsewhere
+    (CPU, Neuron, eager CUDA, packed rows) the same window is a dense mask for SDPA."""
+    return device.type == "cuda" and torch.compiler.is_compiling()
+
+
+def sliding_window_block_mask(T: int, window: int, device: torch.device) -> BlockMask:
+    """FlexAttention's mask of a causal window: query q sees keys k with q - window < k <= q."""
+    return create_block_mask(lambda b, h, q, k: (k <= q) & (q - k < window), None, None, T, T, device=device)
+
+
 def predecessors(attn_mask: torch.Tensor) -> torch.Tensor:
     """[B, T]: the index in the row of each token's predecessor in its own sequence (the latest earlier token
     it may attend to), -1 for a sequence's first token; from the attention mask of rows that hold several
@@ -296,8 +309,11 @@ class CausalSelfAttention(nn.Module):
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
             v = v + gate.unsqueeze(-1) * ve.view_as(v).to(v.dtype)
         q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           is_causal=mask is None)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if isinstance(mask, BlockMask):  # a sliding window on a compiled CUDA model (GPT.layer_masks); autocast
+            y = flex_attention(q.to(v.dtype), k.to(v.dtype), v, block_mask=mask)  # passes it by: one dtype, as SDPA
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -449,6 +465,9 @@ class GPT(nn.Module):
         if all(w is None for w in windows):
             return [attn_mask] * len(windows)
         device = self.cos.device
+        if positions is None and attn_mask is None and uses_flex_attention(device):
+            masks = {w: sliding_window_block_mask(T, w, device) for w in set(windows) if w}
+            return [masks[w] if w else None for w in windows]
         pos = positions if positions is not None else torch.arange(T, device=device)[None]
         allowed = attn_mask if attn_mask is not None else \
             torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
@@ -1195,7 +1214,7 @@ def _device_profile(device_type: str, dtype: str, measure_peak: bool) -> DeviceP
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
         if peak is None:
-            return DeviceProfile("cuda", "nccl", compute, "inductor", _measure_cuda_flops() if measure_peak else 0.0,
+            return DeviceProfile("cuda", "nccl", compute, "inductor", measure_cuda_flops() if measure_peak else 0.0,
                                  f"measured bf16 matmul on {name}")
         return DeviceProfile("cuda", "nccl", compute, "inductor", peak, f"datasheet, {name}")
     if device_type == "cpu":
@@ -1206,15 +1225,21 @@ def _device_profile(device_type: str, dtype: str, measure_peak: bool) -> DeviceP
     raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
 
 
-def _measure_cuda_flops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    a @ a
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
+def measure_cuda_flops(n: int = 8192, warmup: int = 3, repeats: int = 10) -> float:
+    """The bf16 n x n matmul FLOP/s of this GPU: the median of `repeats` products timed by CUDA events, after
+    `warmup` ones (the first calls choose kernels and raise the clocks)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(warmup):
         a @ a
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (time.perf_counter() - t0)
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ a
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1000)
+    return 2 * n**3 / statistics.median(seconds)
 
 
 def init_distributed(profile: DeviceProfile) -> tuple[torch.device, int, int]:

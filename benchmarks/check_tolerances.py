@@ -14,7 +14,7 @@ rest on. For the kit's own model in fp32 and in bf16, on this machine's device:
   BIAS_FLOOR_NATS, and the share of official-sized samples (2 % of each real task's examples, at
   least 8, drawn from these examples under --bias-runs secrets) that the sign tests would refuse.
 
-    python benchmarks/check_tolerances.py --checkpoint out/final.pt [--secrets 10] [--examples 4]
+    python benchmarks/check_tolerances.py --checkpoint out/final.pt [--secrets 10] [--examples 4] [--device cuda]
 
 Uses the active dataset's public_val for the val_bpb rows. Without --checkpoint, a CPU-preset model
 with random weights everywhere is used (its near-uniform outputs make a weak test: use a trained one)."""
@@ -49,6 +49,7 @@ from random_model import save_random_checkpoint  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 # each dtype forced, whatever the machine's default (a CPU without bf16 matmuls runs fp32)
 COMPUTE_DTYPE = {"fp32": "None", "bf16": "torch.bfloat16"}
+DEVICE = "cpu"  # where the model runs (--device)
 DTYPE_OVERRIDE = '''
 
 _kit_load_for_eval = load_for_eval
@@ -62,7 +63,7 @@ def load_for_eval(checkpoint_path, device):
 
 
 def load(checkpoint: str, dtype: str):
-    model = T.load_for_eval(checkpoint, torch.device("cpu"))
+    model = T.load_for_eval(checkpoint, torch.device(DEVICE))
     model.compute_dtype = torch.bfloat16 if dtype == "bf16" else None
     return model
 
@@ -80,7 +81,7 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
     worst = {"causality": 0.0, "batch_content": 0.0, "replay": 0.0, "batch_size": 0.0}
     model = load(checkpoint, dtype)
     for _ in range(secrets_count):
-        r = M.causality_check(model, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, "cpu",
+        r = M.causality_check(model, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
                               max_rows=max_tokens // prepare.EVAL_SEQ_LEN)
         if not r["passed"]:
             print(f"  REFUSED in process ({dtype}): {r['message']}")
@@ -88,7 +89,7 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
                           ("replay", "replay_max_abs_diff"), ("batch_size", "batch_size_max_abs_diff")):
             worst[kind] = max(worst[kind], r[key])
     with copy_submission(kit_copy(dtype), checkpoint) as submission:
-        cli = M.evaluate_checkpoint(submission, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, "cpu",
+        cli = M.evaluate_checkpoint(submission, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
                                     max_tokens=max_tokens)
     return {"in_process": worst, "workers": {"causality": cli["causality_max_abs_diff"],
                                              "replay": cli["replay_max_abs_diff"],
@@ -98,7 +99,7 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
 
 class _Forward(M.LocalForward):
     def __init__(self, model, max_len: int):
-        super().__init__(model, "cpu", prepare.TOKENIZER_VOCAB_SIZE)
+        super().__init__(model, DEVICE, prepare.TOKENIZER_VOCAB_SIZE)
         self.batch_size, self.max_len = verify.VERIFY_BATCH_ROWS, max_len
 
 
@@ -106,7 +107,7 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
     # measure the honest differences in full, past the harness's tolerances (printed beside them)
     verify.VERIFY_LOSS_TOLERANCE = verify.VERIFY_GREEDY_TOLERANCE = float("inf")
     model = load(checkpoint, dtype)
-    scorer = inference.Scorer(model, torch.device("cpu"))
+    scorer = inference.Scorer(model, torch.device(DEVICE))
     rng = random.Random(0)
     per_token = per_mean = greedy_gap = 0.0
     flips, decisions, leans = [], 0, {}
@@ -201,8 +202,11 @@ def main():
     parser.add_argument("--examples", type=int, default=4, help="imitated examples per CORE task")
     parser.add_argument("--max-tokens", type=int, default=2**16)
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model runs")
     parser.add_argument("--bias-runs", type=int, default=10000, help="official-sized samples the bias test is run on")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     checkpoint = args.checkpoint or save_random_checkpoint("cpu", random_projections=True)
     tokenizer = prepare.ensure_tokenizer()
     torch.manual_seed(0)

@@ -156,6 +156,26 @@ def test_window_masks_follow_rotary_positions():
     assert windowed[0, 0, 5].tolist() == [False, True, False, False, True, True]  # positions 1, 2, 3 of its own
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_window_layers_on_flex_attention_agree_with_the_dense_mask(monkeypatch, dtype):
+    """A compiled CUDA model runs its window layers on FlexAttention's block mask (uses_flex_attention); here,
+    forced on the CPU, its logits equal the dense-mask path's, and a block mask one token too wide does not."""
+    model = gpt(["--window-pattern", "SSL", "--short-window", "5", "--value-embeds", "alternate"],
+                dtype=dtype).eval().requires_grad_(False)
+    idx = torch.randint(0, VOCAB, (2, 24))
+    dense = model(idx)
+    assert not T.uses_flex_attention(torch.device("cpu"))  # the CPU path stays the dense mask
+    monkeypatch.setattr(T, "uses_flex_attention", lambda device: True)
+    masks = model.layer_masks(24, None, None)
+    assert [type(m).__name__ for m in masks] == ["BlockMask", "BlockMask", "NoneType", "NoneType"]  # SSL, last L
+    flex = model(idx)
+    tolerance = 1e-4 if dtype == "fp32" else 0.1
+    assert (flex - dense).abs().max() < tolerance
+    wide = T.sliding_window_block_mask
+    monkeypatch.setattr(T, "sliding_window_block_mask", lambda n, w, device: wide(n, w + 1, device))
+    assert (model(idx) - dense).abs().max() > 10 * tolerance
+
+
 # --- the stop rule ---------------------------------------------------------------------------------
 
 def test_the_stop_rule_predicts_from_steps_after_start_up():
