@@ -42,10 +42,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 GPU_DIR = REPO / ".gpu"  # ignored by git: what `prepare` builds for the GPU machine
 CORPUS_PACKAGES = ("torch", "numpy", "matplotlib", "networkx", "pip", "pygments", "pyarrow", "setuptools")
-STAGES = ("environment", "peak", "d10", "core", "gpu", "nanochat", "attention", "tolerances")
+STAGES = ("environment", "peak", "sandbox", "d10", "core", "gpu", "nanochat", "attention", "tolerances")
 # Seconds a stage needs beyond its training time (imports, compile, save, the contained evaluation): a stage
 # that no longer fits before the deadline is skipped, and says so.
-OVERHEAD_SECONDS = {"environment": 15, "peak": 20, "d10": 110, "gpu": 110, "nanochat": 120, "core": 60,
+OVERHEAD_SECONDS = {"environment": 15, "peak": 20, "sandbox": 30, "d10": 110, "gpu": 110, "nanochat": 120, "core": 60,
                     "attention": 60, "tolerances": 90}
 TRAINED = {"d10": "train.py", "gpu": "train.py", "nanochat": "benchmarks/nanochat_adapter.py"}
 BUNDLE_EXAMPLES = 24  # per task: more than the most shots (10), so every example has its few-shot examples
@@ -178,10 +178,62 @@ def stage_attention(device: str, rehearsal: bool) -> dict:
     return result
 
 
+SANDBOX_PARTS = ("none", "rlimits", "noatime", "capabilities", "landlock", "seccomp", "seccomp-sockets-allowed",
+                 "seccomp-no-denied-calls", "all")
+SANDBOX_PROBE = r"""
+import copy, os, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from harness.worker import limits, sandbox
+import torch  # before the sandbox, as the worker does
+part, device = sys.argv[1], sys.argv[2]
+try:
+    if part in ("rlimits", "all"):
+        limits.apply_rlimits(limits.worker_rlimits(limits.worker_limits()))
+    if part in ("noatime", "all"):
+        sandbox.remount_noatime()
+    if part in ("capabilities", "all"):
+        sandbox.set_no_new_privs()
+        sandbox.drop_capabilities()
+    if part in ("landlock", "all"):
+        rules = sandbox.worker_rules(Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp()))
+        rules += [(p, "execute") for p in sys.path if os.path.isabs(p) and os.path.isdir(p)]
+        sandbox.apply_landlock(rules, sandbox.landlock_abi())
+    if part.startswith("seccomp") or part == "all":
+        arch = sandbox.seccomp_arch()
+        if part == "seccomp-sockets-allowed":
+            sandbox.SYSCALLS = copy.deepcopy(sandbox.SYSCALLS)
+            sandbox.SYSCALLS[arch][1]["socket"] = 4095
+            sandbox.DENIED = tuple(n for n in sandbox.DENIED if n not in ("bind", "connect", "listen"))
+        if part == "seccomp-no-denied-calls":
+            sandbox.DENIED = ()
+        sandbox.apply_seccomp(arch)
+    torch.ones(1, device=device).add_(1).item()
+    print("PROBE ok")
+except BaseException as e:
+    print("PROBE " + type(e).__name__ + ": " + str(e).replace(chr(10), " ")[:300])
+"""
+
+
+def stage_sandbox(device: str) -> dict:
+    """Whether a fresh process that has applied one part of the worker's sandbox (harness/worker) can still use
+    the device: one process per part, all at once, and one with every part in the worker's order."""
+    probes = {part: subprocess.Popen([sys.executable, "-c", SANDBOX_PROBE, part, device, str(REPO)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for part in SANDBOX_PARTS}
+    result = {}
+    for part, p in probes.items():
+        out = p.communicate(timeout=300)[0]
+        found = [line[6:] for line in out.splitlines() if line.startswith("PROBE ")]
+        result[part] = found[-1] if found else f"exit {p.returncode}: {out.strip().splitlines()[-1:]}"
+    return result
+
+
 def cmd_stage(args) -> int:
     name = args.name
     result = {"environment": lambda: stage_environment(args.device), "peak": lambda: stage_peak(args.device),
-              "attention": lambda: stage_attention(args.device, args.rehearsal)}[name]()
+              "attention": lambda: stage_attention(args.device, args.rehearsal),
+              "sandbox": lambda: stage_sandbox(args.device)}[name]()
     print("RESULT " + json.dumps(result))
     return 0
 
@@ -313,8 +365,8 @@ class Check:
         report = self.work / name / "eval_public.json"
         cmd = [sys.executable, "prepare.py", "eval-public", "--train-py", TRAINED[name], "--checkpoint",
                str(checkpoint), "--report", str(report)]
-        if self.rehearsal:
-            cmd += ["--max-tokens", "8192", "--device", "cpu"]
+        # the device named: a worker that cannot reach it fails, where "auto" would score on the CPU
+        cmd += ["--max-tokens", "8192", "--device", "cpu"] if self.rehearsal else ["--device", "cuda"]
         rc, text = self.run(f"{name}-eval", cmd, self.remaining())
         first_error = None
         if rc != 0:
@@ -342,6 +394,8 @@ class Check:
                "--checkpoint", str(checkpoint), "--bundle-dir", str(bundle), "--report", str(report)]
         if self.rehearsal:  # one task of each kind
             cmd += ["--device", "cpu", "--tasks", "hellaswag_zeroshot,jeopardy,winograd"]
+        else:
+            cmd += ["--device", "cuda"]
         rc, text = self.run("core", cmd, self.remaining())
         first_error = None
         if rc != 0:
@@ -382,7 +436,7 @@ class Check:
         return {"command": " ".join(cmd[1:]), "lines": lines[start:start + 8]}
 
     def stage(self, name: str) -> dict:
-        if name in ("environment", "peak", "attention"):
+        if name in ("environment", "peak", "attention", "sandbox"):
             return self.in_process(name)
         if name in ("d10", "gpu"):
             return self.train_kit(name)
@@ -607,7 +661,7 @@ def main(argv=None) -> int:
     p.add_argument("--rehearsal", action="store_true", help="every stage at tiny sizes on the CPU")
     p.set_defaults(func=lambda a: Check(a).main())
     p = sub.add_parser("stage", help=argparse.SUPPRESS)
-    p.add_argument("name", choices=("environment", "peak", "attention"))
+    p.add_argument("name", choices=("environment", "peak", "attention", "sandbox"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--rehearsal", action="store_true")
     p.set_defaults(func=cmd_stage)

@@ -85,13 +85,28 @@ def load_participant_model(train_py, checkpoint, device):
     return model
 
 
-def resolve_device(name: str, local_rank: int):
-    """The worker's device: "auto" is the fastest present (neuron, cuda, cpu), chosen here, so the
-    harness process itself never touches an accelerator; CUDA takes the rank's own GPU."""
+def resolve_device(name: str, local_rank: int, present: str):
+    """The worker's device: "auto" is `present`, the fastest device the worker found before its sandbox
+    (detect_device_type), so the harness process itself never touches an accelerator and the sandbox can
+    never turn "auto" into a slower device; CUDA takes the rank's own GPU."""
     import torch
-    from harness.common import detect_device_type
-    kind = detect_device_type() if name == "auto" else name
+    kind = present if name == "auto" else name
     return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
+
+
+def check_device_works(device) -> None:
+    """A tensor on the device, before any participant code: a device the sandbox keeps from starting is one
+    clear error (measured on an H200 under Firecracker: CUDA's start fails under Landlock, and under the
+    seccomp filter that refuses socket(); benchmarks/gpu_check.py's sandbox stage probes each part)."""
+    import torch
+    if device.type != "cuda":
+        return
+    try:
+        torch.ones(1, device=device).add_(1).item()
+    except RuntimeError as e:
+        raise HarnessError(f"the worker cannot use {device} inside its sandbox on this machine "
+                           f"({str(e).splitlines()[0][:200]}). Score with --device cpu, or with --no-sandbox to tell "
+                           "a sandbox problem from a model problem (not official).") from None
 
 
 class Server:
@@ -100,6 +115,7 @@ class Server:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.model = self.scorer = self.device = None
+        self.present = "cpu"  # the fastest device present, found before the sandbox (see sandbox())
         self.outputs: list[np.ndarray] = []
 
     def hello(self, msg: dict) -> dict:
@@ -110,6 +126,8 @@ class Server:
         participant code never runs in a half-applied sandbox), but for the noatime namespace,
         which needs a privilege the worker may lack: its absence is reported (no "noatime"), and
         the harness reads ahead instead. The rlimits hold with or without the sandbox."""
+        from harness.common import detect_device_type
+        self.present = detect_device_type()  # trusted code, before the sandbox: the device is not the sandbox's choice
         limits.apply_rlimits(msg["rlimits"])
         if msg.get("off"):
             return {"applied": []}
@@ -132,7 +150,8 @@ class Server:
 
     def load(self, msg: dict) -> dict:
         import torch
-        self.device = resolve_device(msg["device"], int(msg["local_rank"]))
+        self.device = resolve_device(msg["device"], int(msg["local_rank"]), self.present)
+        check_device_works(self.device)
         if self.device.type == "neuron" and hasattr(torch, "neuron") and hasattr(torch.neuron, "set_device"):
             torch.neuron.set_device(int(msg["local_rank"]))
         if msg["mode"] == "model":
