@@ -34,7 +34,9 @@ def test_the_rehearsal_runs_every_stage_and_reports_every_field(tmp_path, text_d
     result, path = only_result(out)
     stages = result["stages"]
     assert {name: e["status"] for name, e in stages.items()} == \
-        {name: "ok" for name in ("environment", "peak", "d10", "gpu", "core", "attention", "tolerances")}, stages
+        {name: "ok" for name in ("environment", "peak", "sandbox", "d10", "gpu", "core", "attention", "tolerances")}, \
+        stages
+    assert set(stages["sandbox"]) >= {"none", "landlock", "seccomp", "all"}  # each part probed, on a CPU all "ok"
     assert stages["environment"]["torch"] and stages["peak"]["tflops"] > 0
     for run in ("d10", "gpu"):
         r = stages[run]
