@@ -182,8 +182,14 @@ def stage_attention(device: str, rehearsal: bool) -> dict:
     return result
 
 
-SANDBOX_PARTS = ("none", "rlimits", "noatime", "capabilities", "landlock", "seccomp", "seccomp-sockets-allowed",
-                 "seccomp-no-denied-calls", "all")
+# Each part alone, then variants that tell which rule a device needs (on an H200 CUDA failed under "landlock"
+# and "seccomp", and started under "seccomp-sockets-allowed"): Landlock without its abstract-socket scope, with
+# its file rules only (ABI 3), with /tmp, /dev/shm and /run writable; the seccomp filter without its socket
+# refusals or without its list of refused calls; and every part after the device was found (detect_device_type,
+# as the worker now does before its sandbox), which may or may not leave CUDA started.
+SANDBOX_PARTS = ("none", "rlimits", "noatime", "capabilities", "landlock", "landlock-no-socket-scope",
+                 "landlock-files-only", "landlock-plus-tmp-shm-run", "seccomp", "seccomp-sockets-allowed",
+                 "seccomp-no-denied-calls", "all", "all-device-found-first")
 SANDBOX_PROBE = r"""
 import copy, os, sys, tempfile
 from pathlib import Path
@@ -192,6 +198,10 @@ from harness.worker import limits, sandbox
 import torch  # before the sandbox, as the worker does
 part, device = sys.argv[1], sys.argv[2]
 try:
+    if part == "all-device-found-first":
+        from harness.common import detect_device_type
+        detect_device_type()
+        part = "all"
     if part in ("rlimits", "all"):
         limits.apply_rlimits(limits.worker_rlimits(limits.worker_limits()))
     if part in ("noatime", "all"):
@@ -199,10 +209,17 @@ try:
     if part in ("capabilities", "all"):
         sandbox.set_no_new_privs()
         sandbox.drop_capabilities()
-    if part in ("landlock", "all"):
+    if part.startswith("landlock") or part == "all":
         rules = sandbox.worker_rules(Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp()))
         rules += [(p, "execute") for p in sys.path if os.path.isabs(p) and os.path.isdir(p)]
-        sandbox.apply_landlock(rules, sandbox.landlock_abi())
+        abi = sandbox.landlock_abi()
+        if part == "landlock-no-socket-scope":
+            sandbox.SCOPE_ABSTRACT_UNIX_SOCKET = 0
+        if part == "landlock-files-only":
+            abi = min(abi, 3)
+        if part == "landlock-plus-tmp-shm-run":
+            rules += [(d, "write") for d in ("/tmp", "/dev/shm", "/run", "/var/run")]
+        sandbox.apply_landlock(rules, abi)
     if part.startswith("seccomp") or part == "all":
         arch = sandbox.seccomp_arch()
         if part == "seccomp-sockets-allowed":
