@@ -568,21 +568,19 @@ class MuonAdamW(torch.optim.Optimizer):
     parameter's device. Under torchrun, DataParallelOptimizer (under the banner below) wraps it: it averages
     the gradients over ranks and hands it only this rank's share of the parameters to update.
 
-    The per-step hyperparameters (SCHEDULED, set by set_hyperparameters) and AdamW's step count are
-    0-D device tensors, so `compile_backend` compiles each update once: a new value is data, not a new
-    graph."""
+    The per-step hyperparameters (SCHEDULED) are plain numbers in each param group, written as in nanochat
+    (`group["lr"] = ...`); each step copies them, with one host-to-device copy, into 0-D device tensors that
+    the updates read, so `compile_backend` compiles each update once: a new value is data, not a new graph."""
 
     SCHEDULED = ("lr", "momentum", "weight_decay")
 
     def __init__(self, param_groups, compile_backend: str | None = None):
         super().__init__(param_groups, defaults={})
         device = next(p.device for g in self.param_groups for p in g["params"])
-        # Per-step hyperparameters are views of one device buffer: one host-to-device copy per step.
         self._hyper_keys = [(i, k) for i, g in enumerate(self.param_groups) for k in self.SCHEDULED if k in g]
-        self._hyper_host = torch.tensor([float(self.param_groups[i][k]) for i, k in self._hyper_keys])
+        self._hyper_host = torch.zeros(len(self._hyper_keys))
         self._hyper = self._hyper_host.to(device)
-        for j, (i, k) in enumerate(self._hyper_keys):
-            self.param_groups[i][k] = self._hyper[j]
+        self._group_keys = [set(g) for g in self.param_groups]  # a key a group did not start with is a mistake
         # State, created now so that state_dict() is complete before a step.
         for group in self.param_groups:
             params = group["params"]
@@ -600,26 +598,29 @@ class MuonAdamW(torch.optim.Optimizer):
             if compile_backend else (lambda f: f)
         self._adamw_update, self._muon_update = compiled(adamw_update), compiled(muon_update)
 
-    def set_hyperparameters(self, values: list[dict]) -> None:
-        """Set this step's hyperparameters, one dict per param group (e.g. {"lr": 0.01}), with one copy.
-        A key the group does not schedule is an error, never a value dropped."""
-        index = {key: j for j, key in enumerate(self._hyper_keys)}
-        for i, group_values in enumerate(values):
-            for k, v in group_values.items():
-                if (i, k) not in index:
-                    raise KeyError(f"param group {i} ({self.param_groups[i]['kind']}) schedules "
-                                   f"{[key for g, key in self._hyper_keys if g == i]}, not {k!r}")
-                self._hyper_host[index[(i, k)]] = v
+    def _device_hyperparameters(self) -> list[dict]:
+        """Each group's lr, momentum and weight_decay as it stands now, as 0-D device tensors (one copy)."""
+        for i, group in enumerate(self.param_groups):
+            added = set(group) - self._group_keys[i]
+            if added:
+                raise KeyError(f"param group {i} ({group['kind']}) got {sorted(added)}, which its update does not "
+                               f"read; it schedules {[k for g, k in self._hyper_keys if g == i]}")
+        for j, (i, k) in enumerate(self._hyper_keys):
+            self._hyper_host[j] = float(self.param_groups[i][k])
         self._hyper.copy_(self._hyper_host)
+        values = [{} for _ in self.param_groups]
+        for j, (i, k) in enumerate(self._hyper_keys):
+            values[i][k] = self._hyper[j]
+        return values
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
+        for group, hyper in zip(self.param_groups, self._device_hyperparameters()):
             params = group["params"]
             if group["kind"] == "muon" and params:
                 state = self.state[params[0]]
                 new = self._muon_update([p.grad for p in params], params, state["momentum"], state["second_moment"],
-                                        group["lr"], group["momentum"], group["weight_decay"], group["beta2"],
+                                        hyper["lr"], hyper["momentum"], hyper["weight_decay"], group["beta2"],
                                         group["ns_steps"], group["ns_dtype"])
                 torch._foreach_copy_(params, list(new.unbind(0)))
             elif group["kind"] == "adamw":
@@ -628,16 +629,12 @@ class MuonAdamW(torch.optim.Optimizer):
                     if p.grad is not None:
                         state = self.state[p]
                         self._adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                                           group["lr"], group["weight_decay"], beta1, beta2, group["eps"])
+                                           hyper["lr"], hyper["weight_decay"], beta1, beta2, group["eps"])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load saved state, keeping the hyperparameter tensors the compiled updates were traced with."""
-        live = {(i, k): self.param_groups[i][k] for i, k in self._hyper_keys}
         super().load_state_dict(state_dict)
-        for (i, k), tensor in live.items():
-            tensor.copy_(torch.as_tensor(self.param_groups[i][k]))
-            self.param_groups[i][k] = tensor
-        self._hyper_host.copy_(self._hyper)
+        for i, k in self._hyper_keys:  # snapshots of earlier versions held these as 0-D tensors
+            self.param_groups[i][k] = float(self.param_groups[i][k])
         for p, state in self.state.items():
             if "step" in state:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
@@ -667,11 +664,16 @@ def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = 
          dict(adamw, lr=recipe.scalar_lr * 0.4)),
         (list(model.blocks.parameters()), muon),  # every matrix in the blocks (value embeddings' gates included)
     ]
+    names = {id(p): name for name, p in model.named_parameters()}
     groups = []
     for params, rule in table:
         if not params:
             continue
         if rule["kind"] == "muon":  # Muon updates same-shaped matrices together: a group per shape
+            not_matrices = [f"{names[id(p)]} {list(p.shape)}" for p in params if p.dim() != 2]
+            if not_matrices:
+                raise ValueError(f"parameters {not_matrices} fall in a Muon row of parameter_groups' table, which "
+                                 "updates matrices only: give them a row of their own (AdamW, like the scalars)")
             for shape in sorted({tuple(p.shape) for p in params}):
                 groups.append(dict(rule, params=[p for p in params if tuple(p.shape) == shape]))
         else:
@@ -705,12 +707,13 @@ def muon_momentum(progress: float, recipe: Recipe) -> float:
 
 
 def apply_schedules(optimizer: MuonAdamW, progress: float, recipe: Recipe) -> float:
-    """This step's learning rates, Muon momentum and weight decay, written to the optimizer's 0-D
-    device tensors (a changed value is data: it never recompiles the update)."""
+    """This step's learning rates, Muon momentum and weight decay, written into the param groups."""
     lrm = lr_multiplier(progress, recipe)
-    muon = dict(momentum=muon_momentum(progress, recipe), weight_decay=recipe.weight_decay * (1.0 - progress))
-    optimizer.set_hyperparameters([dict(lr=group["initial_lr"] * lrm, **(muon if group["kind"] == "muon" else {}))
-                                   for group in optimizer.param_groups])
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * lrm
+        if group["kind"] == "muon":
+            group["momentum"] = muon_momentum(progress, recipe)
+            group["weight_decay"] = recipe.weight_decay * (1.0 - progress)
     return lrm
 
 
@@ -1493,6 +1496,10 @@ def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> N
     if not on:
         return
     flags = " ".join(f"--{flag.replace('_', '-')}" for flag in on)
+    for op in {KERNEL_OPS[flag] for flag in on}:
+        same = [f"--{flag.replace('_', '-')}" for flag in on if KERNEL_OPS[flag] == op]
+        if len(same) > 1:
+            raise SystemExit(f"error: {' and '.join(same)} both replace {op}(); one op takes one kernel: drop one")
     called = ops_the_model_calls(config, options.chunked_loss)
     for flag in on:
         if KERNEL_OPS[flag] not in called:
@@ -1745,9 +1752,6 @@ class DataParallelOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
-
-    def set_hyperparameters(self, values: list[dict]) -> None:
-        self.optimizer.set_hyperparameters(values)
 
     def state_bytes(self) -> int:
         return self.optimizer.state_bytes()

@@ -105,14 +105,10 @@ def test_twenty_steps_with_every_schedule_moving_and_the_evaluation_recompile_no
 
 @pytest.mark.slow
 def test_a_python_scalar_learning_rate_recompiles_and_is_caught(tmp_path, monkeypatch, train_main):
-    set_hyperparameters = T.MuonAdamW.set_hyperparameters
+    def as_python_floats(self):  # the mistake: the step's lr handed to the update as a float
+        return [{k: float(g[k]) for k in T.MuonAdamW.SCHEDULED if k in g} for g in self.param_groups]
 
-    def as_python_floats(self, values):  # the mistake: the step's lr handed to the update as a float
-        set_hyperparameters(self, values)
-        for group, group_values in zip(self.param_groups, values):
-            group.update(group_values)
-
-    monkeypatch.setattr(T.MuonAdamW, "set_hyperparameters", as_python_floats)
+    monkeypatch.setattr(T.MuonAdamW, "_device_hyperparameters", as_python_floats)
     argv = [*TINY, *SCHEDULES_MOVING, "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")]
     try:
         first, later = compiles_after_the_first_step(argv, monkeypatch, train_main)

@@ -29,7 +29,7 @@ def set_gradients(model: T.GPT, seed: int) -> None:
 
 
 def hyperparameters(optimizer: T.MuonAdamW) -> list[list[float]]:
-    return [[group[k].item() for k in optimizer.SCHEDULED if k in group] for group in optimizer.param_groups]
+    return [[float(group[k]) for k in optimizer.SCHEDULED if k in group] for group in optimizer.param_groups]
 
 
 @pytest.mark.slow
@@ -76,9 +76,7 @@ def test_state_dict_round_trip_restores_state_and_hyperparameters(tmp_path):
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         for key, value in optimizer.optimizer.state[p].items():
             assert torch.equal(value, resumed.optimizer.state[q][key]), key
-    # The restored values live in the tensors set_hyperparameters writes (and the update reads).
-    resumed.set_hyperparameters([{"lr": 1.5}] + [{}] * (len(resumed.param_groups) - 1))
-    assert resumed.param_groups[0]["lr"].item() == 1.5
+    assert all(isinstance(g[k], float) for g in resumed.param_groups for k in T.MuonAdamW.SCHEDULED if k in g)
     for m, opt in ((model, optimizer), (resumed_model, resumed)):
         set_gradients(m, seed=5)
         T.apply_schedules(opt, 0.8, recipe)
@@ -148,12 +146,51 @@ def test_the_parameter_table_and_the_schedule_refuse_what_they_do_not_know():
     model.extra = torch.nn.Parameter(torch.zeros(3))  # a new parameter without a row in the table
     with pytest.raises(ValueError, match=r"parameters \['extra'\] have no row in parameter_groups' table"):
         T.build_optimizer(model, T.Recipe())
-    optimizer = T.build_optimizer(tiny_model(), T.Recipe())
-    kinds = [g["kind"] for g in optimizer.param_groups]
-    values = [{"lr": 0.1} for _ in kinds]
-    values[kinds.index("adamw")]["momentum"] = 0.9  # Muon's, not AdamW's
-    with pytest.raises(KeyError, match="schedules \\['lr', 'weight_decay'\\], not 'momentum'"):
-        optimizer.set_hyperparameters(values)
+    model = tiny_model()
+    optimizer = T.build_optimizer(model, T.Recipe())
+    set_gradients(model, seed=0)
+    adamw = next(g for g in optimizer.param_groups if g["kind"] == "adamw")
+    adamw["momentum"] = 0.9  # Muon's, not AdamW's: a value its update would never read
+    with pytest.raises(KeyError, match=r"got \['momentum'\], which its update does not read; it schedules "
+                                       r"\['lr', 'weight_decay'\]"):
+        optimizer.step()
+
+
+def test_a_vector_in_a_muon_row_is_the_tables_error_naming_it():
+    model = tiny_model()
+    model.blocks[0].norm_scale = torch.nn.Parameter(torch.ones(model.config.n_embd))  # e.g. a learned norm weight
+    with pytest.raises(ValueError, match=r"parameters \['blocks.0.norm_scale \[\d+\]'\] fall in a Muon row .* "
+                                         r"give them a row of their own"):
+        T.build_optimizer(model, T.Recipe())
+
+
+def test_two_kernel_flags_on_one_op_are_an_error(monkeypatch):
+    monkeypatch.setitem(T.KERNEL_OPS, "nki_rmsnorm_v2", "norm")  # a second kernel for RMSNorm, bound by a new flag
+    options = T.RunOptions(nki_rmsnorm=True)
+    options.nki_rmsnorm_v2 = True
+    config = T.model_config(T.parse_command_line(TINY)[0])
+    with pytest.raises(SystemExit, match=r"--nki-rmsnorm and --nki-rmsnorm-v2 both replace norm\(\)|"
+                                         r"--nki-rmsnorm-v2 and --nki-rmsnorm both replace norm\(\)"):
+        T.setup_kernels(options, "neuron", config)
+
+
+def test_writing_a_groups_learning_rate_as_nanochat_does_takes_effect():
+    """`group["lr"] = ...` (nanochat's way to schedule) reaches the update at the next step, in every group."""
+    model = tiny_model()
+    optimizer = T.build_optimizer(model, T.Recipe(), ns_dtype=None)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # no step at all (weight decay scales with the lr too)
+    set_gradients(model, seed=1)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"]
+    set_gradients(model, seed=2)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, before[name]), name  # every group's parameters moved
 
 
 def test_optimizer_flags_are_checked():
