@@ -4,8 +4,8 @@ This is the one file a participant edits. The recipe comes first, top to bottom:
 the model (its architecture, declared once) and its loss, the optimizer's update rule and parameter
 table, the schedules, the training step and loop, load_for_eval. Under the banner "Machinery" follows
 what a run needs and a recipe rarely touches: the run's bookkeeping, devices, kernels (the inline NKI
-kernel, and the --nki-* flags that bind kernels in place of the model's ops), the chunked loss's
-insides, data-parallel gradients and ZeRO-1, batch geometry, the budget clock, checkpoint and resume,
+kernel, and the --nki-* flags that bind kernels in place of the model's ops), data-parallel gradients
+and ZeRO-1, batch geometry, the budget clock, checkpoint and resume,
 the command line, main().
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
@@ -362,7 +362,6 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.compute_dtype: torch.dtype | None = None  # autocast dtype of forward(); set for the device
-        self.chunked_loss = True  # the training loss by chunked_softcap_cross_entropy (--no-chunked-loss: plain)
 
     @torch.no_grad()
     def init_weights(self):
@@ -434,18 +433,12 @@ class GPT(nn.Module):
                     middle = x
             if self.backout_lambda is not None:  # take out part of what the lower half wrote
                 x = x - self.backout_lambda * middle
-            x = norm(x)
-            if targets is None or not self.chunked_loss:
-                logits = self.lm_head(x)
+            logits = self.lm_head(norm(x))
         cap = self.config.logit_softcap
-        if targets is not None and self.chunked_loss:
-            return chunked_softcap_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                                 cap, self.compute_dtype or x.dtype)
-        logits = logits.float()
-        if targets is None:  # where no gradient flows (the scorers), in place: no [B, T, V] copies
-            return cap * torch.tanh(logits / cap) if logits.requires_grad else logits.div_(cap).tanh_().mul_(cap)
-        logits = cap * torch.tanh(logits / cap)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        if targets is not None:
+            return training_loss(logits, targets, cap)
+        logits = logits.float()  # where no gradient flows (the scorers), in place: no [B, T, V] copies
+        return softcap(logits, cap) if logits.requires_grad else logits.div_(cap).tanh_().mul_(cap)
 
     def ngram_embedding(self, idx: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
         """The hashed bigram (and trigram) tables' rows for each token: causal by construction, the n-gram of
@@ -483,16 +476,27 @@ class GPT(nn.Module):
         return self.cos[:, :T], self.sin[:, :T]
 
 
-def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", chunked_loss: bool = True,
-                init: bool = True) -> GPT:
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap): logits stay within +-cap."""
+    return cap * torch.tanh(logits / cap)
+
+
+def training_loss(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
+    """What training minimises, from the head's logits [B, T, V] (the compute dtype): the mean cross-entropy
+    of the softcapped logits, in fp32. An auxiliary term goes here (--nki-softcap-ce refuses a loss that is
+    no longer exactly this)."""
+    logits = softcap(logits.float(), cap)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", init: bool = True) -> GPT:
     """The GPT on `device`, initialised (init) or left for a state dict, with its forward set up: autocast
-    to the compute dtype (`dtype` as --dtype: auto is bf16 where the device is fast at it) and the training
-    loss chunked or plain. Training, load_for_eval, tools, benchmarks and tests all build it here."""
+    to the compute dtype (`dtype` as --dtype: auto is bf16 where the device is fast at it). Training,
+    load_for_eval, tools, benchmarks and tests all build it here."""
     model = GPT(config).to(device)
     if init:
         model.init_weights()
     model.compute_dtype = compute_dtype_for(torch.device(device).type, dtype)
-    model.chunked_loss = chunked_loss
     return model
 
 
@@ -868,8 +872,7 @@ def train(recipe: Recipe, run: Run) -> None:
     """Train for the budget, then save out_dir/final.pt and score public_val. `run` is the bookkeeping around
     the loop (the machinery): ranks, batch geometry, resuming, the budget clock, progress lines, the
     divergence guard, snapshots, the stop rule, the checkpoint and the summary."""
-    model = build_model(model_config(recipe, run.tokenizer.get_vocab_size()), run.device, recipe.dtype,
-                        run.options.chunked_loss)
+    model = build_model(model_config(recipe, run.tokenizer.get_vocab_size()), run.device, recipe.dtype)
     optimizer = build_optimizer(model, recipe, run.options, model.compute_dtype, run.profile.compile_backend,
                                 run.geometry.grad_accum_steps)
     step_model = run.start(model, optimizer)  # resumes, same weights on every rank, compiles
@@ -910,7 +913,7 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 
 # ===============================================================================================
 # MACHINERY: what a run needs around the recipe, rarely edited. The run's bookkeeping, devices,
-# kernels (the inline NKI kernel and the --nki-* flags), the chunked loss's insides, data-parallel
+# kernels (the inline NKI kernel and the --nki-* flags), data-parallel
 # gradients and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the command line
 # with the organisers' aliases, main().
 # ===============================================================================================
@@ -1443,10 +1446,10 @@ def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
     return relu2_forward_reference(x)
 
 
-# --nki-* flag (a RunOptions field) -> the op it replaces: a function of the model section, or the training
-# loss's softcap_cross_entropy_rows (the chunked loss, below). setup_kernels binds the kernel in its place.
+# --nki-* flag (a RunOptions field) -> the op it replaces, a function of the model section (the training loss
+# included). setup_kernels binds the kernel in its place.
 KERNEL_OPS = {"nki_relu2": "relu_squared", "nki_rmsnorm": "norm", "nki_rope_qknorm": "rope_qknorm",
-              "nki_softcap_ce": "softcap_cross_entropy_rows"}
+              "nki_softcap_ce": "training_loss"}
 
 
 def nki_kernel(flag: str):
@@ -1462,11 +1465,26 @@ def nki_kernel(flag: str):
         return kernels.rope_qknorm.rope_qknorm
     if flag == "nki_softcap_ce":
         import kernels.softcap_ce
-        return functools.partial(kernel_cross_entropy_rows, kernels.softcap_ce.softcap_cross_entropy)
+        return functools.partial(kernel_training_loss, kernels.softcap_ce.softcap_cross_entropy)
     raise ValueError(f"no NKI kernel for {flag!r}")
 
 
-def ops_the_model_calls(config: GPTConfig, chunked_loss: bool) -> set[str]:
+def kernel_training_loss(kernel, logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
+    """training_loss through kernels/softcap_ce.py's per-row softcap cross-entropy (--nki-softcap-ce)."""
+    return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
+
+
+def kernel_loss_difference(loss_fn, cap: float = 15.0) -> float:
+    """How far loss_fn (the recipe's training_loss) is from the softcap cross-entropy --nki-softcap-ce computes,
+    on a random batch, by kernels/softcap_ce.py's reference: 0 up to rounding when the loss is the kit's."""
+    from kernels.softcap_ce import softcap_ce_forward_reference
+    g = torch.Generator().manual_seed(0)
+    logits, targets = 8 * torch.randn(2, 16, 40, generator=g), torch.randint(0, 40, (2, 16), generator=g)
+    kernel = softcap_ce_forward_reference(logits.reshape(-1, 40), targets.reshape(-1), cap)[0].mean()
+    return abs(float(loss_fn(logits, targets, cap)) - float(kernel))
+
+
+def ops_the_model_calls(config: GPTConfig) -> set[str]:
     """Which ops of KERNEL_OPS a training step of this model calls: its forward and loss, run once on a twin
     on the meta device (no compute, no memory), each op counted."""
     originals, called = {op: globals()[op] for op in KERNEL_OPS.values()}, set()
@@ -1481,7 +1499,6 @@ def ops_the_model_calls(config: GPTConfig, chunked_loss: bool) -> set[str]:
     try:
         with torch.device("meta"):
             twin = GPT(config)
-        twin.chunked_loss = chunked_loss
         tokens = torch.zeros(1, 2, dtype=torch.long, device="meta")
         twin(tokens, tokens)
     finally:
@@ -1500,12 +1517,16 @@ def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> N
         same = [f"--{flag.replace('_', '-')}" for flag in on if KERNEL_OPS[flag] == op]
         if len(same) > 1:
             raise SystemExit(f"error: {' and '.join(same)} both replace {op}(); one op takes one kernel: drop one")
-    called = ops_the_model_calls(config, options.chunked_loss)
+    called = ops_the_model_calls(config)
     for flag in on:
         if KERNEL_OPS[flag] not in called:
             raise SystemExit(f"error: --{flag.replace('_', '-')} replaces {KERNEL_OPS[flag]}(), which this model "
-                             "never calls (its code changed, or --no-chunked-loss takes the plain loss): drop the "
-                             "flag, or write a kernel for the op the model calls and bind it in KERNEL_OPS")
+                             "never calls (its code changed): drop the flag, or write a kernel for the op the model "
+                             "calls and bind it in KERNEL_OPS")
+    if options.nki_softcap_ce and kernel_loss_difference(training_loss) > 1e-5:
+        raise SystemExit("error: --nki-softcap-ce computes the softcap cross-entropy, and this train.py's "
+                         "training_loss computes something else (an added term?): the kernel would drop it. Drop the "
+                         "flag, or give the kernel the same term.")
     if not (device_type == "neuron" and HAS_NKI):
         raise SystemExit(f"error: {flags} run NKI kernels, which need the neuron device and the nki "
                          f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
@@ -1530,92 +1551,6 @@ def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> N
 def bind_kernels(options: RunOptions) -> None:
     """Bind the kernel of each --nki-* flag that is on in place of its op (setup_kernels checks first)."""
     globals().update({op: nki_kernel(flag) for flag, op in KERNEL_OPS.items() if getattr(options, flag)})
-
-
-# -----------------------------------------------------------------------------------------------
-# The chunked training loss: softcap + cross-entropy without the logits of the whole batch
-# -----------------------------------------------------------------------------------------------
-# The training loss never holds the logits of the whole batch: LOSS_CHUNKS slices of rows in turn go
-# through lm_head, the softcap and the cross-entropy, and each slice's gradient (with respect to the head's
-# input and weight) is taken on the spot, so nothing of a slice outlives it. The plain path keeps fp32
-# [B*T, vocab] logits and as many again for the softmax and its gradient; taking the gradient in the
-# forward (as Liger's fused linear cross-entropy does) also spares the recomputation of the logits that a
-# checkpointed slice would run in the backward.
-LOSS_CHUNKS = 4  # a count, not a size: torch.compile unrolls the loop (compile time grew from 14 s to 39 s
-                 # at 1 to 16 slices in one test on 2 cores) and each slice is two dozen more ops for an eager
-                 # device to dispatch; 4 slices already keep three quarters of the plain path's logits away
-
-
-def softcap_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, cap: float, grad_scale: float,
-                               need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Cross-entropy of z = cap * tanh(logits / cap) per row (fp32, or float64 for float64 logits), and the
-    gradient of grad_scale * sum(loss) with respect to the logits, in their dtype (None if not need_grad):
-    (softmax(z) - onehot(target)) * (1 - tanh^2) * grad_scale."""
-    t = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap).tanh_()
-    z = t * cap
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    loss = (lse - z.gather(1, targets[:, None])).squeeze(1)
-    if not need_grad:
-        return loss, None
-    p = z.sub_(lse).exp_()  # softmax(z), in z's memory
-    tanh_sq = t.mul_(t)  # in t's memory
-    target_term = 1 - tanh_sq.gather(1, targets[:, None])
-    dlogits = p.addcmul_(p, tanh_sq, value=-1).scatter_add_(1, targets[:, None], -target_term)
-    return loss, dlogits.mul_(grad_scale).to(logits.dtype)
-
-
-def kernel_cross_entropy_rows(kernel, logits, targets, cap, grad_scale, need_grad):
-    """softcap_cross_entropy_rows through an autograd-aware kernel(logits, targets, cap) -> per-row losses
-    (--nki-softcap-ce binds kernels/softcap_ce.py's this way). Eager only, as every NKI path of the kit."""
-    with torch.enable_grad():
-        logits = logits.detach().requires_grad_(need_grad)
-        loss = kernel(logits, targets, cap)
-        if not need_grad:
-            return loss.detach(), None
-        (dlogits,) = torch.autograd.grad(loss.sum() * grad_scale, logits)
-    return loss.detach(), dlogits
-
-
-class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
-    """Mean softcapped cross-entropy of h @ weight.T against targets (h [N, C], weight [V, C], targets [N]),
-    in LOSS_CHUNKS slices of rows, matmuls in `dtype`, each slice's loss and logit gradient from
-    softcap_cross_entropy_rows (or the kernel --nki-softcap-ce binds there). The gradients are computed in
-    the forward (need_grad) and scaled by the incoming gradient in the backward."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, cap: float, dtype: torch.dtype, need_grad: bool):
-        n = h.shape[0]
-        hc, wc = h.to(dtype), weight.to(dtype)
-        losses, grad_h, grad_weight = [], [], None
-        for h_rows, target_rows in zip(hc.chunk(LOSS_CHUNKS), targets.chunk(LOSS_CHUNKS)):
-            logits = h_rows @ wc.T
-            loss, dlogits = softcap_cross_entropy_rows(logits, target_rows, cap, 1 / n, need_grad)
-            losses.append(loss.sum())
-            if need_grad:
-                grad_h.append(dlogits @ wc)
-                chunk_grad = (dlogits.T @ h_rows).to(weight.dtype)  # summed over chunks at the weight's precision
-                grad_weight = chunk_grad if grad_weight is None else grad_weight + chunk_grad
-        if need_grad:
-            ctx.save_for_backward(torch.cat(grad_h).to(h.dtype), grad_weight)
-        ctx.need_grad = need_grad
-        return torch.stack(losses).sum() / n
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        if not ctx.need_grad:
-            raise RuntimeError("chunked_softcap_cross_entropy ran without gradients (under no_grad, or on inputs "
-                               "that do not require them) and cannot be differentiated")
-        grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad, grad_weight * grad, None, None, None, None
-
-
-def chunked_softcap_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
-                                  dtype: torch.dtype) -> torch.Tensor:
-    """The training loss: mean cross-entropy of cap * tanh((h @ weight.T) / cap) against targets, as
-    F.cross_entropy on the full logits gives it, without ever holding them (see LOSS_CHUNKS)."""
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return ChunkedSoftcapCrossEntropy.apply(h, weight, targets, cap, dtype, need_grad)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2241,13 +2176,11 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, recipe: Rec
 @dataclass
 class RunOptions:
     """How a run executes around its recipe: each is a flag too, and a resumed run may change any of them
-    (compilation, kernels and the loss's chunking change rounding at most)."""
+    (compilation and kernels change rounding at most)."""
     device: str = ""  # neuron, cuda or cpu; empty (or auto): the fastest present
     compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
     compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
                                      # small ones: on, off, auto (on with --compile)
-    chunked_loss: bool = True  # head + softcap + loss in LOSS_CHUNKS slices of rows (never the full fp32 logits);
-                               # --no-chunked-loss: the plain path, e.g. to compare on a new device
     nki_relu2: bool = False  # the MLP activation as the inline NKI kernel (neuron device only)
     nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
     nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)

@@ -3,19 +3,17 @@
     python benchmarks/train_throughput.py --preset cpu                 # bf16 and fp32, compiled
     python benchmarks/train_throughput.py --preset gpu --depth 10 --dtypes bf16   # default d10, one CUDA GPU, compiled
     python benchmarks/train_throughput.py --preset cpu --aspect-ratio 128   # any train.py flag changes the config
-    python benchmarks/train_throughput.py --preset cpu --dtypes bf16 --compare-loss   # plain vs chunked loss
 
 Steps run on random tokens (throughput does not depend on the text), after warm-up steps that
 include compilation. MFU = model FLOPs per token x tokens/s / peak, where the peak is the bf16
 (or fp32) matmul peak measured here (CPU, see train.measure_matmul_flops) or the datasheet number
 (Trainium, known GPUs). Peak memory is the process's: its peak RSS on a CPU (start-up and compilation
-included), the allocator's peak on a GPU. --compare-loss runs the plain and the chunked training loss
-(train.py --no-chunked-loss / --chunked-loss), each dtype and loss in a process of its own. CPU-s is
-the processor time the process used per step: on a shared machine it moves less than the wall time."""
+included), the allocator's peak on a GPU (a CPU process's peak only ever grows: the second dtype's figure
+includes the first's). CPU-s is the processor time the process used per step: on a shared machine it
+moves less than the wall time."""
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 
 import torch
@@ -38,15 +36,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--compare-loss", action="store_true",
-                        help="plain vs chunked training loss, each dtype and loss in its own process")
     args, train_flags = parser.parse_known_args()  # other flags go to train.py: --depth 6, --aspect-ratio 128, ...
-    if args.compare_loss:  # a process each, since a CPU process's peak memory only ever grows
-        flags = [a for a in sys.argv[1:] if a != "--compare-loss"]
-        for dtype in args.dtypes.split(","):
-            for loss in ("--no-chunked-loss", "--chunked-loss"):
-                subprocess.run([sys.executable, __file__, *flags, "--dtypes", dtype, loss], check=True)
-        return
     recipe, options, _ = T.parse_command_line((["--preset", args.preset] if args.preset else []) + train_flags)
     if args.compile is not None:
         options.compile = args.compile
@@ -56,8 +46,7 @@ def main():
           f"threads={torch.get_num_threads()}")
     for dtype in args.dtypes.split(","):
         r = run(recipe, options, device_type, dtype, args.steps, args.warmup)
-        loss = "chunked" if options.chunked_loss else "plain"
-        print(f"{r['dtype']:>8} {loss:>7} loss: {r['tokens_per_second']:>10,.0f} tokens/s | {r['step_s'] * 1000:7.0f} "
+        print(f"{r['dtype']:>8}: {r['tokens_per_second']:>10,.0f} tokens/s | {r['step_s'] * 1000:7.0f} "
               f"ms/step ({r['cpu_step_s']:.1f} CPU-s) | {r['achieved_tflops']:.3f} TFLOP/s of {r['peak_tflops']:.3f} "
               f"peak ({r['peak_source']}) | MFU {r['mfu_percent']:.1f}% | peak memory {r['peak_memory_mb']:,.0f} MB | "
               f"warm-up {r['warmup_s']:.0f}s | {r['params_M']:.1f}M params", flush=True)

@@ -135,7 +135,7 @@ def tiny_recipe(argv: list[str]) -> tuple[T.Recipe, T.RunOptions]:
 def training_step_census(recipe: T.Recipe, options: T.RunOptions, rows: int = 2) -> OpCensus:
     """The model's forward, loss and backward compiled as one graph (GraphBreak otherwise), as --compile
     compiles them; the census of its forward and backward graphs."""
-    model = T.build_model(T.model_config(recipe), "cpu", recipe.dtype, options.chunked_loss)
+    model = T.build_model(T.model_config(recipe), "cpu", recipe.dtype)
     tokens = torch.randint(0, model.config.vocab_size, (rows, recipe.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
     loss, census = one_graph(model, tokens[:, :-1], tokens[:, 1:])
@@ -274,7 +274,7 @@ def compile_cost(names: list[str]) -> None:
             torch._dynamo.reset()
             counter = torch._dynamo.utils.counters
             counter.clear()
-            model = T.build_model(T.model_config(recipe), "cpu", recipe.dtype, options.chunked_loss)
+            model = T.build_model(T.model_config(recipe), "cpu", recipe.dtype)
             optimizer = T.build_optimizer(model, recipe, dataclasses.replace(options, compile_optimizer="on"),
                                           model.compute_dtype, "inductor")
             step_model = torch.compile(model, backend="inductor", dynamic=False)

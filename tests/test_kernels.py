@@ -105,7 +105,7 @@ def test_train_py_binds_each_flags_kernel_in_place_of_its_op_and_cpu_tensors_run
     assert {op for op, fn in plain.items() if getattr(T, op) is not fn} == set(T.KERNEL_OPS.values())
     assert T.norm is rmsnorm.rms_norm and T.rope_qknorm is rope_qknorm.rope_qknorm
     assert T.relu_squared is T.relu_squared_nki
-    assert T.softcap_cross_entropy_rows.args == (softcap_ce.softcap_cross_entropy,)
+    assert T.training_loss.args == (softcap_ce.softcap_cross_entropy,)
     assert torch.allclose(T.norm(x), F.rms_norm(x, (8,)), atol=1e-6)  # a CPU tensor takes the reference
     assert torch.equal(T.relu_squared(x), F.relu(x).square())
 
@@ -403,18 +403,26 @@ def test_setup_kernels_stops_clearly_when_a_kernel_cannot_run(kit, monkeypatch):
     assert bound(kit.train, plain) == set()
     monkeypatch.setattr(kit.common, "installed_nki_version", lambda: "0.4.0")
     kit.train.setup_kernels(options, "neuron", CONFIG)
-    assert bound(kit.train, plain) == {"relu_squared", "softcap_cross_entropy_rows"}
+    assert bound(kit.train, plain) == {"relu_squared", "training_loss"}
     kit.train.setup_kernels(T.RunOptions(), "cpu", CONFIG)  # no flag: nothing to check
 
 
 def test_a_kernel_flag_whose_op_the_model_never_calls_is_one_clear_error(kit, monkeypatch):
-    """Replacing relu^2 by SwiGLU, or taking the plain loss, leaves a --nki-* flag nothing to replace: an error
-    (before the device checks, so on any machine), never a flag that silently does nothing."""
+    """Replacing relu^2 by SwiGLU, or the loss by another function, leaves a --nki-* flag nothing to replace: an
+    error (before the device checks, so on any machine), never a flag that silently does nothing."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
     plain = {op: getattr(kit.train, op) for op in kit.train.KERNEL_OPS.values()}
-    with pytest.raises(SystemExit, match=r"--nki-softcap-ce replaces softcap_cross_entropy_rows\(\), which this "
-                                         "model never calls"):
-        kit.train.setup_kernels(T.RunOptions(nki_softcap_ce=True, chunked_loss=False), "cpu", CONFIG)
+    kit_forward = kit.train.GPT.forward
+
+    def own_loss(self, idx, targets=None, **kwargs):  # a participant's loss, written in the forward itself
+        logits = kit_forward(self, idx, **kwargs)
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    monkeypatch.setattr(kit.train.GPT, "forward", own_loss)
+    with pytest.raises(SystemExit, match=r"--nki-softcap-ce replaces training_loss\(\), which this model never "
+                                         "calls"):
+        kit.train.setup_kernels(T.RunOptions(nki_softcap_ce=True), "cpu", CONFIG)
+    monkeypatch.setattr(kit.train.GPT, "forward", kit_forward)
 
     def swiglu(self, x):  # a participant's MLP without relu^2: c_fc's output split into a gate and a value
         gate, value = self.c_fc(x).chunk(2, dim=-1)
@@ -423,7 +431,7 @@ def test_a_kernel_flag_whose_op_the_model_never_calls_is_one_clear_error(kit, mo
     monkeypatch.setattr(kit.train.MLP, "forward", swiglu)
     with pytest.raises(SystemExit, match=r"--nki-relu2 replaces relu_squared\(\), which this model never calls"):
         kit.train.setup_kernels(T.RunOptions(nki_relu2=True), "neuron", CONFIG)
-    assert kit.train.ops_the_model_calls(CONFIG, True) == {"norm", "rope_qknorm", "softcap_cross_entropy_rows"}
+    assert kit.train.ops_the_model_calls(CONFIG) == {"norm", "rope_qknorm", "training_loss"}
     assert bound(kit.train, plain) == set()
 
 
@@ -462,28 +470,36 @@ def test_the_inline_relu2_kernel_needs_nothing_from_kernels(kit, monkeypatch):
         kit.train.setup_kernels(T.RunOptions(nki_relu2=True, nki_rmsnorm=True), "neuron", CONFIG)
 
 
-def test_the_chunked_training_loss_runs_the_softcap_ce_kernels_per_chunk(kit, monkeypatch, capsys):
-    """train.py's chunked loss with --nki-softcap-ce: each chunk's logits go through the kernel pair, and
-    the loss and the gradients equal the plain path's."""
+def test_the_training_loss_runs_the_softcap_ce_kernels_and_equals_the_recipes(kit, monkeypatch, capsys):
+    """--nki-softcap-ce binds the kernel pair in place of training_loss: the model's loss and gradients equal
+    the recipe's own function's."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    monkeypatch.setattr(kit.train, "LOSS_CHUNKS", 2)  # 512 rows: two slices, a tile per core each
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(512, 32, generator=g).requires_grad_()
-    weight = torch.randn(320, 32, generator=g).requires_grad_()
-    targets = torch.randint(0, 320, (512,), generator=g)
+    logits = (4 * torch.randn(2, 256, 320, generator=g)).requires_grad_()  # 512 rows: a tile per core each
+    targets = torch.randint(0, 320, (2, 256), generator=g)
     before = launches()
-    monkeypatch.setattr(kit.train, "softcap_cross_entropy_rows", kit.train.nki_kernel("nki_softcap_ce"))
-    loss = kit.train.chunked_softcap_cross_entropy(h, weight, targets, 15.0, torch.float32)
+    loss = kit.train.nki_kernel("nki_softcap_ce")(logits, targets, 15.0)
     loss.backward()
     assert "notice:" not in capsys.readouterr().out
-    if REAL_NKI is None:  # the forward and the backward kernel of each chunk
-        assert [r["grid"] for r in nki_emulator.LAUNCHES[before:]] == [2, 2, 2, 2]
-    h2, w2 = h.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-    plain = F.cross_entropy(15.0 * torch.tanh(h2 @ w2.T / 15.0), targets)
-    plain.backward()
-    assert torch.allclose(loss, plain, rtol=1e-5, atol=0)
-    for got, want in ((h.grad, h2.grad), (weight.grad, w2.grad)):
-        assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    if REAL_NKI is None:  # the forward and the backward kernel
+        assert [r["grid"] for r in nki_emulator.LAUNCHES[before:]] == [2, 2]
+    recipe_logits = logits.detach().clone().requires_grad_()
+    recipe = kit.train.training_loss(recipe_logits, targets, 15.0)
+    recipe.backward()
+    assert torch.allclose(loss, recipe, rtol=1e-5, atol=0)
+    assert torch.allclose(logits.grad, recipe_logits.grad, rtol=0, atol=1e-5 * recipe_logits.grad.abs().max().item())
+
+
+def test_the_softcap_ce_flag_refuses_a_training_loss_it_does_not_compute(kit, monkeypatch):
+    """An auxiliary term edited into training_loss would be silently dropped by the kernel: an error instead."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    kit_loss = kit.train.training_loss
+    monkeypatch.setattr(kit.train, "training_loss",
+                        lambda logits, targets, cap: kit_loss(logits, targets, cap) + 1e-4 * logits.float().square().mean())
+    with pytest.raises(SystemExit, match="--nki-softcap-ce computes the softcap cross-entropy, and this train.py's "
+                                         "training_loss computes something else"):
+        kit.train.setup_kernels(T.RunOptions(nki_softcap_ce=True), "neuron", CONFIG)
+    assert kit.train.kernel_loss_difference(kit_loss) < 1e-6
 
 
 # --- the same comparisons on a Trainium machine --------------------------------------------------------

@@ -1,5 +1,5 @@
-"""train.py's model and devices sections: the chunked training loss against the plain path (value,
-gradient, memory, torch.compile through the gpu preset) and the CPU matmul peak."""
+"""train.py's model and devices sections: the training loss (what the scorer reads, an edit to it, torch.compile
+through the gpu preset) and the CPU matmul peak."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import REPO
 
@@ -16,11 +15,6 @@ import train as T  # noqa: E402
 
 TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "24"]
 VOCAB = 512  # a small head keeps the tests fast; the kit's tokenizer has 8192
-
-
-def plain_loss(h, weight, targets, cap):
-    """The loss as the plain path computes it: full fp32 logits, softcap, F.cross_entropy."""
-    return F.cross_entropy(cap * torch.tanh((h @ weight.T).float() / cap), targets)
 
 
 def tiny_gpt(argv=(), vocab=VOCAB, dtype="fp32") -> T.GPT:
@@ -35,119 +29,58 @@ def tiny_gpt(argv=(), vocab=VOCAB, dtype="fp32") -> T.GPT:
     return model
 
 
-def loss_and_grads(model, step_model, idx, targets, chunked: bool):
+def loss_and_grads(model, step_model, idx, targets):
     model.zero_grad(set_to_none=True)
-    model.chunked_loss = chunked
     loss = step_model(idx, targets)
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def test_chunked_loss_passes_gradcheck_in_float64(monkeypatch):
-    monkeypatch.setattr(T, "LOSS_CHUNKS", 3)  # 13 rows: slices of 5, 5 and 3
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(13, 6, dtype=torch.float64, generator=g).requires_grad_()
-    weight = torch.randn(11, 6, dtype=torch.float64, generator=g).requires_grad_()
-    targets = torch.randint(0, 11, (13,), generator=g)
-    loss = T.chunked_softcap_cross_entropy(h, weight, targets, 3.0, torch.float64)
-    assert loss.dtype == torch.float64
-    assert torch.allclose(loss, F.cross_entropy(3.0 * torch.tanh(h @ weight.T / 3.0), targets), rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: T.chunked_softcap_cross_entropy(a, b, targets, 3.0, torch.float64),
-                                    (h, weight))
-
-
-def test_chunked_loss_equals_the_plain_path_on_the_gpt_in_fp32(monkeypatch):
-    monkeypatch.setattr(T, "LOSS_CHUNKS", 5)  # 3 x 24 rows: four slices of 15, the last one of 12
+def test_the_training_loss_is_the_cross_entropy_of_the_logits_the_scorer_reads():
     model = tiny_gpt()
     idx = torch.randint(0, VOCAB, (3, 25), generator=torch.Generator().manual_seed(1))
-    plain, plain_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=False)
-    chunked, chunked_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=True)
-    assert plain.dtype == chunked.dtype == torch.float32
-    assert torch.allclose(chunked, plain, rtol=1e-6, atol=0)
-    for name, g in plain_grads.items():  # fp32 rounding relative to each gradient's scale
-        assert torch.allclose(chunked_grads[name], g, rtol=0, atol=1e-5 * g.abs().max().item()), name
-        assert g.abs().max() > 0, name  # every parameter took part
-    # The scorer's forward (no targets) returns the softcapped logits whatever the flag says.
+    loss = model(idx[:, :-1], idx[:, 1:])
     with torch.no_grad():
         logits = model(idx[:, :-1])
-        model.chunked_loss = False
-        assert torch.equal(logits, model(idx[:, :-1]))
-    assert logits.shape == (3, 24, VOCAB) and logits.dtype == torch.float32
+    assert logits.shape == (3, 24, VOCAB) and logits.dtype == torch.float32 and logits.abs().max() <= 15.0
+    assert torch.allclose(loss, F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()), rtol=1e-6, atol=0)
 
 
-def test_chunked_loss_in_bf16_matches_the_plain_path_to_bf16_rounding(monkeypatch):
-    monkeypatch.setattr(T, "LOSS_CHUNKS", 5)
-    model = tiny_gpt(dtype="bf16")
-    idx = torch.randint(0, VOCAB, (3, 25), generator=torch.Generator().manual_seed(2))
-    plain, plain_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=False)
-    chunked, chunked_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=True)
-    assert torch.allclose(chunked, plain, rtol=1e-5, atol=0)
-    for name, g in plain_grads.items():
-        # The head's weight gradient is rounded to bf16 per chunk instead of once for the batch.
-        assert torch.allclose(chunked_grads[name], g, rtol=0, atol=2**-7 * g.abs().max().item()), name
+def test_an_auxiliary_term_in_training_loss_changes_what_the_default_run_minimises(monkeypatch):
+    """The loss a participant sees is the loss that runs: a term added in training_loss (here a z-loss on the
+    logits) changes the training loss of the model's forward and every gradient that reaches it."""
+    model = tiny_gpt()
+    idx = torch.randint(0, VOCAB, (3, 25), generator=torch.Generator().manual_seed(1))
+    base, base_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:])
+    kit_loss = T.training_loss
 
+    def with_z_loss(logits, targets, cap):
+        return kit_loss(logits, targets, cap) + 0.1 * torch.logsumexp(logits.float(), -1).square().mean()
 
-class LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
-@pytest.mark.parametrize("chunked", [False, True], ids=["plain", "chunked"])
-def test_only_the_plain_loss_builds_logits_of_the_whole_batch(monkeypatch, chunked):
-    monkeypatch.setattr(T, "LOSS_CHUNKS", 6)
-    rows, width, vocab = 96, 8, 300
-    h = torch.randn(rows, width, requires_grad=True)
-    weight = torch.randn(vocab, width, requires_grad=True)
-    targets = torch.randint(0, vocab, (rows,))
-    with LargestTensor() as largest:
-        loss = T.chunked_softcap_cross_entropy(h, weight, targets, 15.0, torch.float32) if chunked \
-            else plain_loss(h, weight, targets, 15.0)
-        loss.backward()
-    assert largest.numel == (16 * vocab if chunked else rows * vocab)
-
-
-def test_chunked_loss_without_gradients(monkeypatch):
-    monkeypatch.setattr(T, "LOSS_CHUNKS", 3)
-    h, weight = torch.randn(20, 8), torch.randn(30, 8, requires_grad=True)
-    targets = torch.randint(0, 30, (20,))
-    with torch.no_grad():
-        loss = T.chunked_softcap_cross_entropy(h, weight, targets, 15.0, torch.float32)
-    assert not loss.requires_grad
-    assert torch.allclose(loss, plain_loss(h, weight, targets, 15.0), rtol=1e-6, atol=0)
-    # Only the weight needs a gradient: the forward still takes it.
-    T.chunked_softcap_cross_entropy(h, weight, targets, 15.0, torch.float32).backward()
-    expected = weight.detach().clone().requires_grad_()
-    plain_loss(h, expected, targets, 15.0).backward()
-    assert torch.allclose(weight.grad, expected.grad, rtol=0, atol=1e-6)
+    monkeypatch.setattr(T, "training_loss", with_z_loss)
+    edited, edited_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:])
+    assert edited > base + 1.0
+    assert not torch.allclose(edited_grads["lm_head.weight"], base_grads["lm_head.weight"])
+    assert not torch.allclose(edited_grads["wte.weight"], base_grads["wte.weight"])
 
 
 @pytest.mark.slow
-def test_gpu_preset_compiles_the_model_and_the_compiled_loss_equals_eager(monkeypatch):
+def test_gpu_preset_compiles_the_model_and_the_compiled_loss_equals_eager():
     """The gpu preset's code path (torch.compile with the device's backend) on CPU, shapes shrunk."""
-    monkeypatch.setattr(T, "LOSS_CHUNKS", 3)  # 2 x 24 rows: slices of 16
     recipe, options, _ = T.parse_command_line(["--preset", "gpu", *TINY, "--device-batch-size", "2",
                                                "--total-batch-size", "48"])
-    assert options.compile and options.chunked_loss
+    assert options.compile
     assert recipe.total_batch_size % (recipe.device_batch_size * recipe.seq_len) == 0
     profile = T.device_profile("cpu", "fp32")
     model = tiny_gpt()
     compiled = torch.compile(model, backend=profile.compile_backend, dynamic=False)  # as train() does
     idx = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(3))
-    eager, eager_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:], chunked=False)
-    got, got_grads = loss_and_grads(model, compiled, idx[:, :-1], idx[:, 1:], chunked=True)
+    eager, eager_grads = loss_and_grads(model, model, idx[:, :-1], idx[:, 1:])
+    got, got_grads = loss_and_grads(model, compiled, idx[:, :-1], idx[:, 1:])
     assert torch.allclose(got, eager, rtol=1e-5, atol=0)
     for name, g in eager_grads.items():
         assert torch.allclose(got_grads[name], g, rtol=0, atol=1e-4 * g.abs().max().item()), name
+        assert g.abs().max() > 0, name  # every parameter took part
 
 
 def test_cpu_peak_is_the_best_single_thread_call_times_the_threads(monkeypatch):

@@ -134,7 +134,7 @@ def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_
     optimizer steps, after `warmup` steps that include compilation."""
     profile = T.device_profile(device_type, recipe.dtype)
     device = torch.device(device_type)
-    model = T.build_model(T.model_config(recipe), device, recipe.dtype, options.chunked_loss)
+    model = T.build_model(T.model_config(recipe), device, recipe.dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
