@@ -24,8 +24,6 @@ and calls load_for_eval(). Sizing a run for a budget is a tool beside it: python
 from __future__ import annotations
 
 import argparse
-import atexit
-import bisect
 import collections
 import contextlib
 import dataclasses
@@ -34,16 +32,13 @@ import importlib
 import json
 import math
 import os
-import queue
 import shutil
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -53,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED,
-                     TRAIN_TIME_BUDGET_SECONDS, _document_batches, ensure_tokenizer, evaluate_bpb, get_dist_info,
+                     TRAIN_TIME_BUDGET_SECONDS, ensure_tokenizer, evaluate_bpb, get_dist_info,
                      make_dataloader, print0, record_step_boundary)
 
 # ===============================================================================================
@@ -73,10 +68,6 @@ class Recipe:
     head_dim: int = 128  # 128 matches the 128x128 TensorEngine and the 128-lane SBUF partitions
     seq_len: int = 2048  # training context; the scorer evaluates at EVAL_SEQ_LEN
     architecture: Architecture = field(default_factory=lambda: Architecture())
-    # Data
-    sampler: str = "kit"  # kit: prepare.py's make_dataloader, whose packing crops a document longer than the room
-                          # left in a row and drops the rest; keep-rest: the same packing, the rest kept for a
-                          # later row (see keep_rest_rows)
     # Batch
     total_batch_size: int = 2**18  # tokens per optimizer step, all ranks together; half of autoresearch's
                                    # 2**19, since at a fixed budget more steps win
@@ -128,12 +119,6 @@ class Architecture:
     # layers whose attention values add a token embedding of their own through a per-head gate (nanochat's
     # value embeddings): "" none, "alternate" (every other layer, the last one included), "all", or indices "0,2"
     value_embeds: str = ingredient("", on="alternate")
-    # rows of a table, indexed by a hash of (previous, current) token, added to the token embedding
-    # (modded-nanogpt's bigram hash embedding); 0: none
-    bigram_buckets: int = ingredient(0, on=97)
-    trigram_buckets: int = ingredient(0, on=89)  # the same for (two back, previous, current); 0: none
-    smear: bool = ingredient(False, on=True)  # add to each token's embedding a gated share of its predecessor's
-    backout: bool = ingredient(False, on=True)  # subtract a learned share of the middle layer's output before the head
     # attention context per layer, the pattern tiled over the layers: L the full context, S a sliding window of
     # short_window tokens; the last layer is always L
     window_pattern: str = ingredient("L", on="SSSL")
@@ -175,8 +160,6 @@ def model_config(recipe: Recipe, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> GPTC
 
 
 VALUE_EMBED_GATE_CHANNELS = 32  # the gate of a value embedding reads this many channels of the layer's input
-SMEAR_GATE_CHANNELS = 24  # the smear gate reads this many channels of the token's embedding
-NGRAM_HASH_PRIMES = (36313, 27191, 51497)  # multipliers of the current, previous and two-back token in the hash
 
 
 def value_embed_layers(spec: str, n_layer: int) -> list[int]:
@@ -258,34 +241,6 @@ def sliding_window_block_mask(T: int, window: int, device: torch.device) -> Bloc
     return create_block_mask(lambda b, h, q, k: (k <= q) & (q - k < window), None, None, T, T, device=device)
 
 
-def predecessors(attn_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T]: the index in the row of each token's predecessor in its own sequence (the latest earlier token
-    it may attend to), -1 for a sequence's first token; from the attention mask of rows that hold several
-    sequences (GPT.forward)."""
-    index = torch.arange(attn_mask.shape[-1], device=attn_mask.device)
-    earlier = attn_mask[:, 0] & (index[None, :] < index[:, None])
-    return torch.where(earlier.any(-1), (earlier * index).amax(-1), -1)
-
-
-def at_predecessor(t: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
-    """The values of t [B, T, ...] at each token's predecessor, 0 where there is none (a sequence's first
-    token). prev: predecessors(attn_mask), or None for rows that are one sequence each (t - 1)."""
-    if prev is None:
-        return torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1)
-    shape = (*prev.shape, *[1] * (t.dim() - 2))
-    return t.gather(1, prev.clamp_min(0).reshape(shape).expand_as(t)) * (prev >= 0).reshape(shape).to(t.dtype)
-
-
-def ngram_bucket(ids: list[torch.Tensor], buckets: int) -> torch.Tensor:
-    """The table row of each n-gram, ids = [current, previous, ...] token ids (-1: before the sequence's
-    start): a multiply-xor hash into buckets - 1 rows, and the last row for n-grams that reach before the start."""
-    h = torch.zeros_like(ids[0])
-    for tokens, prime in zip(ids, NGRAM_HASH_PRIMES):
-        h = h ^ (tokens * prime)
-    reaches_before = torch.stack(ids).lt(0).any(0)
-    return torch.where(reaches_before, buckets - 1, h % (buckets - 1))
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
@@ -352,11 +307,6 @@ class GPT(nn.Module):
         self.x0_lambdas = nn.Parameter(torch.full((L,), 0.1))
         # The ingredients: each exists only when its flag is on, so the baseline keeps the organisers' parameters.
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, C) for i in config.value_embed_layers})
-        self.bigram = nn.Embedding(config.bigram_buckets, C) if config.bigram_buckets else None
-        self.trigram = nn.Embedding(config.trigram_buckets, C) if config.trigram_buckets else None
-        self.smear_gate = nn.Linear(min(SMEAR_GATE_CHANNELS, C), 1, bias=False) if config.smear else None
-        self.smear_lambda = nn.Parameter(torch.zeros(1)) if config.smear else None  # smear starts off
-        self.backout_lambda = nn.Parameter(torch.full((1,), 0.2)) if config.backout else None
         # Rotary tables cover the training context and the scorer's evaluation context.
         cos, sin = rotary_tables(max(config.sequence_len, EVAL_SEQ_LEN), C // config.n_head, config.rope_base)
         self.register_buffer("cos", cos, persistent=False)
@@ -368,9 +318,8 @@ class GPT(nn.Module):
         """nanochat's init, by rule, for every matrix the model has (the token embedding and the head first,
         then the rest in order, as nanochat draws them):
         - a Linear: uniform in +-sqrt(3 / width), except the layers that write to the residual stream (c_proj:
-          each block starts as the identity) and the value-embedding gates (ve_gate: neutral) at zero, and
-          smear's gate (smear_gate, small and positive; smear itself starts off through its lambda);
-        - an Embedding: the tokens' unit normal, value embeddings like c_v, n-gram tables at zero;
+          each block starts as the identity) and the value-embedding gates (ve_gate: neutral) at zero;
+        - an Embedding: the tokens' unit normal, value embeddings like c_v;
         - the head: normal with std 0.001."""
         bound = 3**0.5 * self.config.n_embd**-0.5
         first = [("wte", self.wte), ("lm_head", self.lm_head)]
@@ -384,22 +333,17 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Linear):
                 if leaf in ("c_proj", "ve_gate"):
                     nn.init.zeros_(module.weight)
-                elif leaf == "smear_gate":
-                    nn.init.uniform_(module.weight, 0.0, 0.02)
                 else:
                     nn.init.uniform_(module.weight, -bound, bound)
             elif isinstance(module, nn.Embedding):
-                if leaf in ("bigram", "trigram"):
-                    nn.init.zeros_(module.weight)
-                else:
-                    nn.init.uniform_(module.weight, -bound, bound)
+                nn.init.uniform_(module.weight, -bound, bound)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 per matmul weight (embedding lookups are free: the token embedding,
-        value embeddings, n-gram tables) plus attention scores and values over each layer's context, the
+        value embeddings) plus attention scores and values over each layer's context, the
         full training context or its window (the PaLM convention)."""
         c = self.config
         lookups = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
@@ -412,43 +356,20 @@ class GPT(nn.Module):
         positions [B, T] (rotary position of each token; default 0..T-1) and attn_mask [B, 1, T, T] (bool,
         True where a query may attend; default causal) let one row hold several sequences, e.g. a shared
         prefix and its continuations (inference.py), each token getting the logits its own sequence
-        alone would. What needs more derives it from them: a token's predecessor (smear, n-gram tables)
-        from the mask, a sliding window from the positions."""
+        alone would. A sliding window derives from the positions (layer_masks)."""
         cos, sin = self.rotary(idx.shape[1], positions)
         masks = self.layer_masks(idx.shape[1], positions, attn_mask)
-        prev = predecessors(attn_mask) if attn_mask is not None else None
         with autocast_context(idx.device.type, self.compute_dtype):
-            x = self.wte(idx)
-            if self.bigram is not None or self.trigram is not None:
-                x = x + self.ngram_embedding(idx, prev)
-            x = norm(x)
-            if self.smear_gate is not None:  # a gated share of the predecessor's embedding
-                gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))
-                x = x + gate * at_predecessor(x, prev)
-            x0, middle = x, None
+            x = x0 = norm(self.wte(idx))
             for i, block in enumerate(self.blocks):
                 ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
                 x = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos, sin, masks[i], ve)
-                if i == self.config.n_layer // 2:
-                    middle = x
-            if self.backout_lambda is not None:  # take out part of what the lower half wrote
-                x = x - self.backout_lambda * middle
             logits = self.lm_head(norm(x))
         cap = self.config.logit_softcap
         if targets is not None:
             return training_loss(logits, targets, cap)
         logits = logits.float()  # where no gradient flows (the scorers), in place: no [B, T, V] copies
         return softcap(logits, cap) if logits.requires_grad else logits.div_(cap).tanh_().mul_(cap)
-
-    def ngram_embedding(self, idx: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
-        """The hashed bigram (and trigram) tables' rows for each token: causal by construction, the n-gram of
-        position t is made of t and its predecessors in its own sequence."""
-        before = at_predecessor(idx + 1, prev) - 1  # -1: no predecessor
-        out = self.bigram(ngram_bucket([idx, before], self.bigram.num_embeddings)) if self.bigram is not None else 0
-        if self.trigram is not None:
-            two_before = at_predecessor(before + 1, prev) - 1
-            out = out + self.trigram(ngram_bucket([idx, before, two_before], self.trigram.num_embeddings))
-        return out
 
     def layer_masks(self, T: int, positions: torch.Tensor | None, attn_mask: torch.Tensor | None) -> list:
         """Each layer's attention mask: the caller's (None: causal) for a full-context layer; for a window
@@ -655,17 +576,12 @@ def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = 
     adamw = dict(kind="adamw", betas=(recipe.adam_beta1, recipe.adam_beta2), eps=1e-10, weight_decay=0.0)
     muon = dict(kind="muon", lr=recipe.matrix_lr, momentum=recipe.muon_momentum_start, ns_steps=recipe.muon_ns_steps,
                 ns_dtype=ns_dtype or torch.float32, beta2=recipe.muon_beta2, weight_decay=recipe.weight_decay)
-    present = lambda *params: [p for p in params if p is not None]  # noqa: E731 (the ingredients that are on)
     table = [  # (parameters, rule): AdamW for the head, the embedding tables and the scalars, Muon for the matrices
         ([model.lm_head.weight], dict(adamw, lr=recipe.unembedding_lr * width_scale)),
         ([model.wte.weight], dict(adamw, lr=recipe.embedding_lr * width_scale)),
         (list(model.value_embeds.parameters()), dict(adamw, lr=recipe.embedding_lr * width_scale * 0.5)),  # nanochat
-        ([t.weight for t in present(model.bigram, model.trigram)], dict(adamw, lr=recipe.embedding_lr * width_scale)),
         ([model.resid_lambdas], dict(adamw, lr=recipe.scalar_lr * 0.01)),
         ([model.x0_lambdas], dict(adamw, lr=recipe.scalar_lr, betas=(0.96, 0.95))),
-        # smear's gate and lambda, backout's lambda: nanochat's 0.2 at the default scalar_lr
-        (present(getattr(model.smear_gate, "weight", None), model.smear_lambda, model.backout_lambda),
-         dict(adamw, lr=recipe.scalar_lr * 0.4)),
         (list(model.blocks.parameters()), muon),  # every matrix in the blocks (value embeddings' gates included)
     ]
     names = {id(p): name for name, p in model.named_parameters()}
@@ -735,117 +651,15 @@ def training_progress(step: int, charged_seconds: float, training_seconds: float
 # Data: which tokens the steps train on
 # -----------------------------------------------------------------------------------------------
 # prepare.py's make_dataloader packs documents best-fit into rows that each start at a document's start,
-# and crops a document that does not fit the room left: the rest is dropped, so at short rows most of a
-# long document is never trained on (README, "How much of the text a row length trains on"). The rules
-# let a submission sample its own data; --sampler keep-rest is the same packing with nothing dropped (its
-# own code: the kit's packing is not among the prepare.py names train.py may import).
-
-SAMPLERS = ("kit", "keep-rest")
+# and crops a document that does not fit the room left. The rules let a submission sample its own data:
+# prepare.py's _document_batches gives this rank's share of the training documents to build on
+# (docs/recipes.md has a sampler that keeps the cropped rest for a later row).
 
 
-def keep_rest_rows(token_batches, row_tokens: int, buffer_size: int = 1000):
-    """Rows of row_tokens tokens from (list of token arrays, epoch) batches, best-fit packed as the kit's
-    loader packs them (the longest buffered piece that fits the room left goes in next; when none fits,
-    the shortest is cropped to fill the row), except that the cropped piece's rest goes back into the
-    buffer, for a later row. The buffer holds one epoch at a time. Yields (row, epoch); on a finite
-    input, stops when the buffer cannot fill another row."""
-    lengths, pieces = [], []  # sorted by length
-    source, pending, epoch = iter(token_batches), None, 1
-
-    def add(piece):
-        i = bisect.bisect_right(lengths, len(piece))
-        lengths.insert(i, len(piece))
-        pieces.insert(i, piece)
-
-    while True:
-        row, filled = np.empty(row_tokens, dtype=np.int64), 0
-        while filled < row_tokens:
-            while len(pieces) < buffer_size:
-                pending = pending or next(source, None)
-                if pending is None or (pieces and pending[1] != epoch):
-                    break  # the input ran out, or this epoch's pieces go first
-                (batch, epoch), pending = pending, None
-                for doc in batch:
-                    add(doc)
-            if not pieces:
-                return
-            room = row_tokens - filled
-            i = max(bisect.bisect_right(lengths, room) - 1, 0)  # the longest that fits, else the shortest
-            lengths.pop(i)
-            piece = pieces.pop(i)
-            row[filled:filled + min(room, len(piece))] = piece[:room]
-            filled += min(room, len(piece))
-            if len(piece) > room:
-                add(piece[room:])
-        yield row, epoch
-
-
-def keep_rest_loader(tokenizer, batch_size: int, seq_len: int, device: torch.device, rank: int, world_size: int,
-                     start_batch: int = 0):
-    """(inputs, targets, state) batches as make_dataloader's, from keep_rest_rows over this rank's share of
-    the training documents (the organisers' _document_batches), read, tokenized and packed by a thread
-    ahead of the step as the kit's loader does."""
-    bos = tokenizer.get_bos_token_id()
-    documents = (([np.asarray(ids) for ids in tokenizer.encode(texts, prepend=bos)], epoch)
-                 for texts, epoch in _document_batches("train", rank, world_size, 128))
-    rows = keep_rest_rows(documents, seq_len + 1)
-
-    def batches():
-        while True:
-            batch = [next(rows) for _ in range(batch_size)]
-            yield np.stack([row for row, _ in batch]), batch[-1][1]
-
-    for count, (tokens, epoch) in enumerate(prefetched(batches()), 1):
-        if count > start_batch:  # a resumed run skips what its steps so far consumed
-            tokens = torch.from_numpy(tokens).to(device)
-            yield tokens[:, :-1], tokens[:, 1:], {"epoch": epoch, "batches": count}
-
-
-def prefetched(items, depth: int = 4):
-    """The items of an endless iterator, produced by a thread up to `depth` ahead (its error is raised
-    here). The thread is stopped and joined before the interpreter exits, never left in the tokenizer's
-    native code."""
-    ready, stop = queue.Queue(maxsize=depth), threading.Event()
-
-    def produce():
-        try:
-            for item in items:
-                while not stop.is_set():
-                    with contextlib.suppress(queue.Full):
-                        ready.put((item, None), timeout=0.1)
-                        break
-                if stop.is_set():
-                    return
-        except BaseException as e:  # handed to the consumer
-            ready.put((None, e))
-
-    def shutdown():
-        stop.set()
-        worker.join(timeout=10)
-
-    worker = threading.Thread(target=produce, name="keep-rest-loader", daemon=True)
-    worker.start()
-    atexit.register(shutdown)
-    try:
-        while True:
-            item, error = ready.get()
-            if error is not None:
-                raise error
-            yield item
-    finally:
-        shutdown()
-        atexit.unregister(shutdown)
-
-
-def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.device, rank: int,
-                     world_size: int, start_batch: int):
-    """The training data of --sampler: an endless iterator of (inputs, targets, state) micro-batches."""
-    if recipe.sampler == "kit":
-        return make_dataloader(tokenizer, batch_size, recipe.seq_len, "train", device, seed=recipe.seed,
-                               start_batch=start_batch)
-    if recipe.sampler == "keep-rest":
-        return keep_rest_loader(tokenizer, batch_size, recipe.seq_len, device, rank, world_size, start_batch)
-    raise ValueError(f"--sampler {recipe.sampler!r}: use one of {', '.join(SAMPLERS)}")
+def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.device, start_batch: int):
+    """The training data: an endless iterator of (inputs, targets, state) micro-batches, this rank's share."""
+    return make_dataloader(tokenizer, batch_size, recipe.seq_len, "train", device, seed=recipe.seed,
+                           start_batch=start_batch)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -876,8 +690,7 @@ def train(recipe: Recipe, run: Run) -> None:
     optimizer = build_optimizer(model, recipe, run.options, model.compute_dtype, run.profile.compile_backend,
                                 run.geometry.grad_accum_steps)
     step_model = run.start(model, optimizer)  # resumes, same weights on every rank, compiles
-    batches = training_batches(recipe, run.tokenizer, run.geometry.device_batch_size, run.device, run.rank,
-                               run.world_size, run.batches_done)
+    batches = training_batches(recipe, run.tokenizer, run.geometry.device_batch_size, run.device, run.batches_done)
     while True:
         progress = training_progress(run.step, run.charged_seconds(), run.training_seconds, recipe)
         lrm = apply_schedules(optimizer, progress, recipe)
@@ -1015,10 +828,6 @@ class Run:
         loss agreed over ranks and checked, a progress line, a snapshot when one is due. Returns whether to
         stop, the same on every rank."""
         options, state = self.options, self.state
-        if state.step == options.inject_nan_step:
-            loss = loss * float("nan")
-        if not self.step_times and options.inject_slow_first_step > 0:
-            time.sleep(options.inject_slow_first_step)
         synchronize(self.device)
         record_step_boundary(self.clock.step_done())  # the harness's budget ledger
         charged, dt = self.clock.charged_seconds(), clock_seconds() - self._mark
@@ -1699,8 +1508,7 @@ class DataParallelOptimizer:
         saved = state_dict.get("sharding", {"sharded": False})
         if saved != self.sharding():
             raise ValueError(f"optimizer state saved as {saved} cannot be loaded here ({self.sharding()}): "
-                             "resume with the same world size, --shard-optimizer and --grad-bucket-mb, each rank "
-                             "loading its own file")
+                             "resume with the same world size, each rank loading its own file")
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
 
     def sharding(self) -> dict:
@@ -1866,26 +1674,31 @@ def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
     return [params[name] for name in sorted(first_use, key=first_use.get, reverse=True)] + unused
 
 
+GRAD_BUCKET_MB = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
+
+
 def build_optimizer(model: GPT, recipe: Recipe, options: RunOptions | None = None,
                     ns_dtype: torch.dtype | None = torch.bfloat16, compile_backend: str = "inductor",
-                    accumulation_steps: int = 1) -> DataParallelOptimizer:
+                    accumulation_steps: int = 1, shard: bool | None = None, compiled: bool | None = None,
+                    bucket_mb: float = GRAD_BUCKET_MB) -> DataParallelOptimizer:
     """MuonAdamW over parameter_groups(model, ...), its update compiled with `compile_backend` (the device
-    profile's) where --compile-optimizer is on, inside DataParallelOptimizer: under torchrun the gradients
-    are averaged over the ranks (sent during the backward of the last of accumulation_steps micro-batches),
-    sharded per --shard-optimizer. ns_dtype: Polar Express's precision (None: fp32)."""
+    profile's) with --compile, inside DataParallelOptimizer: under torchrun the gradients are averaged over
+    the ranks (sent during the backward of the last of accumulation_steps micro-batches) and the update is
+    sharded (ZeRO-1) unless the matrices deal out too unevenly. ns_dtype: Polar Express's precision (None:
+    fp32). shard, compiled (None: as just said) and bucket_mb: what benchmarks and tests compare."""
     options = options or RunOptions()
     groups = parameter_groups(model, recipe, ns_dtype)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     ready_order = gradient_ready_order(model) if world_size > 1 else None
-    bucket_bytes = int(options.grad_bucket_mb * 2**20)
+    bucket_bytes = int(bucket_mb * 2**20)
     # Sharding sends as much as averaging does (a reduce-scatter and an all-gather make an all-reduce),
-    # plus the padding, and saves state and update work on every rank: auto shards unless the
+    # plus the padding, and saves state and update work on every rank: it shards unless the
     # matrices deal out too unevenly over the ranks (few matrices, many ranks).
     whole = {p for g in groups if g["kind"] == "muon" for p in g["params"]}
     padding = sum(b.padding for b in plan_buckets(ready_order or [], whole, world_size, bucket_bytes // 4)) \
         / model.num_params()
-    shard = flag_is_on(options.shard_optimizer, padding <= SHARD_MAX_PADDING, "--shard-optimizer") and world_size > 1
-    compiled = flag_is_on(options.compile_optimizer, options.compile, "--compile-optimizer")
+    shard = (padding <= SHARD_MAX_PADDING if shard is None else shard) and world_size > 1
+    compiled = options.compile if compiled is None else compiled
     optimizer = DataParallelOptimizer(groups, rank, world_size, shard, ready_order, bucket_bytes, accumulation_steps,
                                       compile_backend if compiled else None)
     line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
@@ -2030,7 +1843,6 @@ class BudgetClock:
 # kit's earlier layout (format .../1: config, state_dict).
 
 CHECKPOINT_FORMAT = "trainium-frontier-gpt/2"
-EARLIER_CHECKPOINT_FORMAT = "trainium-frontier-gpt/1"
 
 
 def write_atomically(path: Path, write) -> None:
@@ -2056,8 +1868,8 @@ def checkpoint_save_reserve(model: GPT) -> float:
 
 
 def read_checkpoint(path) -> tuple[dict, dict, dict]:
-    """(model config, state dict, meta) of a checkpoint in either layout, loaded with weights_only=True:
-    the file can hold tensors and plain data only, never code."""
+    """(model config, state dict, meta) of a checkpoint (the kit's, or the organisers' layout without the
+    format tag), loaded with weights_only=True: the file can hold tensors and plain data only, never code."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -2065,13 +1877,10 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
     if not isinstance(payload, dict):
         raise ValueError(f"{path} holds a {type(payload).__name__}, not a checkpoint dict")
     found = payload.get("format")
-    if found == EARLIER_CHECKPOINT_FORMAT and {"config", "state_dict"} <= payload.keys():
-        return payload["config"], payload["state_dict"], payload.get("meta", {})
     if found in (CHECKPOINT_FORMAT, None) and {"model_config", "model_state"} <= payload.keys():
         return payload["model_config"], payload["model_state"], payload.get("meta", {})
     raise ValueError(f"{path} has format {found!r} and keys {sorted(payload)}; this train.py reads "
-                     f"{CHECKPOINT_FORMAT!r} and the organisers' layout (model_state, model_config, meta), or "
-                     f"{EARLIER_CHECKPOINT_FORMAT!r} (config, state_dict)")
+                     f"{CHECKPOINT_FORMAT!r} and the organisers' layout (model_state, model_config, meta)")
 
 
 # Resumable runs. --save-every SECONDS writes the full training state under out_dir/state:
@@ -2179,15 +1988,10 @@ class RunOptions:
     (compilation and kernels change rounding at most)."""
     device: str = ""  # neuron, cuda or cpu; empty (or auto): the fastest present
     compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
-    compile_optimizer: str = "auto"  # the update as compiled graphs, a few fused kernels instead of hundreds of
-                                     # small ones: on, off, auto (on with --compile)
     nki_relu2: bool = False  # the MLP activation as the inline NKI kernel (neuron device only)
     nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
     nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
     nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
-    shard_optimizer: str = "auto"  # ZeRO-1 across ranks: each keeps state for, and updates, only its share:
-                                   # on, off, auto (on unless the matrices deal out unevenly, see build_optimizer)
-    grad_bucket_mb: float = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
     out_dir: str = "out"
     save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none); a crash then
                              # loses at most this much training
@@ -2197,9 +2001,6 @@ class RunOptions:
                               # CPU, which takes about a second)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
-    inject_nan_step: int = -1  # test hook: make the loss NaN at this step, to exercise the failure path
-    inject_slow_first_step: float = 0.0  # test hook: this process's first step takes this many seconds longer, as
-                                         # a cold compile makes it
 
 
 # The organisers' baseline train.py spells three flags differently and reads settings from the
@@ -2270,13 +2071,6 @@ def flags_for(settings: dict) -> list[str]:
 def recipe_settings(recipe: Recipe) -> dict:
     """The recipe as plain data, one key per flag (what checkpoints and snapshots record)."""
     return {**{f.name: getattr(recipe, f.name) for f in kind_fields(Recipe)}, **asdict(recipe.architecture)}
-
-
-def flag_is_on(value: str, auto: bool, flag: str) -> bool:
-    """The meaning of an on / off / auto flag."""
-    if value not in ("on", "off", "auto"):
-        raise ValueError(f"{flag} must be on, off or auto, got {value!r}")
-    return auto if value == "auto" else value == "on"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -2357,8 +2151,6 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def main(argv=None) -> int:
     recipe, options, notes = parse_command_line(argv)
     config = model_config(recipe)  # a malformed ingredient flag is an error before any data, device or process group
-    if recipe.sampler not in SAMPLERS:
-        raise ValueError(f"--sampler {recipe.sampler!r}: use one of {', '.join(SAMPLERS)}")
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
     setup_kernels(options, device_type, config)
     profile = device_profile(device_type, recipe.dtype, options.peak_tflops)

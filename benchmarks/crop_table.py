@@ -1,14 +1,13 @@
 """How much of the training text a row length trains on: one pass over the training split, tokenized as the
 loader tokenizes it (each document BOS + its tokens), packed into rows of seq_len + 1 tokens by the kit's
-loader (best-fit; a document cropped to fill a row loses its rest) and by train.py's --sampler keep-rest
-(the same packing, the rest kept for a later row). No training; deterministic.
+loader (best-fit; a document cropped to fill a row loses its rest). No training; deterministic. (The keep-rest
+sampler, which kept the rest for a later row, is a recipe now: docs/recipes.md.)
 
     python benchmarks/crop_table.py --seq-lens 128,256,512,1024,2048                  # the active dataset
     python benchmarks/crop_table.py --seq-lens 256,512,1024 --data-dir ~/.cache/trainium-frontier/dir-prose-...
 
 `trained` is the share of the split's tokens that land in a row (what one epoch trains on); `past row` the
-share that sit at a position >= seq_len of their document (never trained at their own position, by either
-sampler)."""
+share that sit at a position >= seq_len of their document (never trained at their own position)."""
 from __future__ import annotations
 
 import argparse
@@ -33,7 +32,6 @@ def main():
     import numpy as np
 
     import prepare
-    import train as T
     from harness.loader import pack_rows, shard_document_batches, tokenized_documents
 
     t0 = time.time()
@@ -46,17 +44,15 @@ def main():
     print(f"{args.split}: {len(shards)} shards of {prepare.active_dataset_dir()}, {len(docs):,} documents, "
           f"{total:,} tokens (BOS included), {text_bytes / (total - len(docs)):.2f} bytes per token, median "
           f"document {int(np.median(lengths)):,} tokens, longest {int(lengths.max()):,} ({time.time() - t0:.0f}s)")
-    print("| seq_len | documents longer than a row | kit: rows | kit: trained | keep-rest: rows | keep-rest: trained "
-          "| past row |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| seq_len | documents longer than a row | rows | trained | past row |")
+    print("| --- | --- | --- | --- | --- |")
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
         row = seq_len + 1
         kit_rows = sum(1 for _ in pack_rows([(docs, 1)], row, buffer_size=1000))
-        rest_rows = sum(1 for _ in T.keep_rest_rows([(docs, 1)], row, buffer_size=1000))
         longer = float((lengths > row).mean())
         past = float(np.clip(lengths - seq_len, 0, None).sum() / total)
         print(f"| {seq_len} | {100 * longer:.1f}% | {kit_rows:,} | {100 * kit_rows * row / total:.1f}% | "
-              f"{rest_rows:,} | {100 * rest_rows * row / total:.1f}% | {100 * past:.1f}% |", flush=True)
+              f"{100 * past:.1f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,22 +26,27 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--depth", "2", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "128", "--device-batch-size", "4",
          "--total-batch-size", "1024", "--max-steps", "30", "--time-budget", "3600", "--dtype", "fp32", "--no-compile",
          "--device", "cpu", "--log-every", "1", "--eval-tokens", "0", "--seed", "7"]
-EVERY = ["--value-embeds", "alternate", "--bigram-buckets", "97", "--trigram-buckets", "89", "--smear", "--backout",
-         "--window-pattern", "SL", "--short-window", "48"]
-RUNS = {
-    "default": (1, SMALL),
-    "every-ingredient": (1, SMALL + EVERY),
-    "two-ranks-sharded": (2, SMALL + ["--shard-optimizer", "on", "--grad-bucket-mb", "0.1"]),
-    "two-ranks-accumulating": (2, SMALL + ["--shard-optimizer", "off", "--device-batch-size", "1", "--grad-bucket-mb",
-                                           "0.1"]),
+EVERY = ["--value-embeds", "alternate", "--window-pattern", "SL", "--short-window", "48"]
+RUNS = {  # name: (ranks, flags, build_optimizer's overrides)
+    "default": (1, SMALL, {}),
+    "every-ingredient": (1, SMALL + EVERY, {}),
+    "two-ranks-sharded": (2, SMALL, {"shard": True, "bucket_mb": 0.1}),
+    "two-ranks-accumulating": (2, SMALL + ["--device-batch-size", "1"], {"shard": False, "bucket_mb": 0.1}),
 }
+# train.py's main with build_optimizer's sharding and buckets set (they are not flags)
+LAUNCHER = """import functools, sys
+import train as T
+T.build_optimizer = functools.partial(T.build_optimizer, **{overrides!r})
+sys.exit(T.main(sys.argv[1:]))
+"""
 
 
-def run(name: str, ranks: int, args: list[str], work: Path) -> dict:
+def run(name: str, ranks: int, args: list[str], overrides: dict, work: Path) -> dict:
     out = work / name
-    launcher = [sys.executable, str(REPO / "train.py")] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-         str(REPO / "train.py")]
+    script = work / f"{name}.py"
+    script.write_text(LAUNCHER.format(overrides=overrides))
+    launcher = [sys.executable, str(script)] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     result = subprocess.run([*launcher, *args, "--out-dir", str(out)], cwd=work, env=env, capture_output=True,
                             text=True)
@@ -67,8 +72,8 @@ def main() -> int:
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.runs.split(","):
-            ranks, run_args = RUNS[name]
-            found[name] = run(name, ranks, run_args, Path(tmp))
+            ranks, run_args, overrides = RUNS[name]
+            found[name] = run(name, ranks, run_args, overrides, Path(tmp))
             print(f"{name}: {len(found[name]['losses'])} steps, last loss {found[name]['losses'][-1]}", flush=True)
     Path(args.out).write_text(json.dumps(found, indent=1))
     if not args.compare:

@@ -33,12 +33,14 @@ def new_model(recipe: T.Recipe, device: torch.device) -> T.GPT:
     return T.build_model(T.model_config(recipe), device, recipe.dtype)
 
 
-def time_training(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int, warmup: int) -> dict:
+def time_training(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int, warmup: int,
+                  compiled: bool | None = None) -> dict:
     """Tokens/s of train_step, and the share of it spent in optimizer.step()."""
     profile = T.device_profile(device_type, recipe.dtype)
     device = torch.device(device_type)
     model = new_model(recipe, device)
-    optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
+    optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend,
+                                  compiled=compiled)
     step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
     accum = recipe.total_batch_size // (recipe.device_batch_size * recipe.seq_len)
     in_optimizer = []
@@ -75,8 +77,7 @@ def time_training(recipe: T.Recipe, options: T.RunOptions, device_type: str, ste
 def compare_compile(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int, warmup: int) -> None:
     rows = {}
     for mode in ("off", "on"):
-        rows[mode] = time_training(recipe, dataclasses.replace(options, compile_optimizer=mode), device_type, steps,
-                                   warmup)
+        rows[mode] = time_training(recipe, options, device_type, steps, warmup, compiled=mode == "on")
     base = rows["off"]
     for mode, label in (("off", "eager"), ("on", "compiled")):
         r = rows[mode]
@@ -93,8 +94,8 @@ def shard_worker(recipe: T.Recipe, options: T.RunOptions, steps: int, warmup: in
     model = new_model(recipe, device)
     rows = {}
     for mode in ("off", "on"):
-        optimizer = T.build_optimizer(model, recipe, dataclasses.replace(options, shard_optimizer=mode),
-                                      profile.compute_dtype, profile.compile_backend)
+        optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend,
+                                      shard=mode == "on")
         torch.manual_seed(rank)
         grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
         times = []

@@ -2,16 +2,16 @@
 (or the same number of steps), score every checkpoint with the official evaluation on the same fixed tokens
 of public_val, and print a table: per seed, the mean, the seed spread and the difference to the reference.
 
-    # the ingredients one at a time on the CPU preset, 2 seeds, then the winners together (README, "Ingredients")
+    # the ingredients one at a time on the CPU preset, 2 seeds, then the winners together
     python benchmarks/preset_sweep.py --budget 300 --seeds 1,2 --combine-winners \
-        --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,keep-rest,every
+        --ingredients off,value-embeds,windows,every
     # the same at a fixed step count on a larger shape: per-step gain apart from step-time cost
     python benchmarks/preset_sweep.py --max-steps 400 --shapes nanochat-cpu --seeds 1 \
-        --ingredients off,value-embeds,bigram,trigram,smear,backout,windows,every
+        --ingredients off,value-embeds,windows,every
     # shapes at 1x and 3x the budget, on the stdlib text or another prepared one (--data-dir)
     python benchmarks/preset_sweep.py --budget 900 --shapes now,d3-w192-s512-b4k,nanochat-cpu --ingredients as-is
 
-Ingredient names combine with +: `--ingredients off,value-embeds+smear`. `off` sets every ingredient off
+Ingredient names combine with +: `--ingredients off,value-embeds+windows`. `off` sets every ingredient off
 explicitly and `as-is` passes nothing (the preset as it stands: the same model until the presets adopt
 ingredients; after, `off` is the preset before and `as-is` after). Each run trains in its own process
 (`python train.py --preset BASE <shape> <ingredients> --seed S --time-budget B --no-eval-public`), one
@@ -70,22 +70,18 @@ SHAPES = {
                          "--total-batch-size", "4096", "--device-batch-size", "16"],
 }
 
-# Every ingredient of train.py off, explicitly (Architecture's defaults), and the kit's sampler: the baseline
-# whatever the preset adopts. field -> value
-OFF = {**{name: getattr(T.Architecture(), name) for name in T.every_ingredient()}, "sampler": "kit"}
-# name -> what it turns on over OFF
+# Every ingredient of train.py off, explicitly (Architecture's defaults): the baseline whatever the preset
+# adopts. field -> value
+OFF = {name: getattr(T.Architecture(), name) for name in T.every_ingredient()}
+# name -> what it turns on over OFF. The bigram and trigram tables, smear, backout and the keep-rest sampler,
+# measured here and never found to help (benchmarks/results/presets.tsv), are recipes now (docs/recipes.md):
+# paste one into train.py to sweep it again.
 INGREDIENTS = {
     "off": {},
     "value-embeds": {"value_embeds": "alternate"},  # nanochat's layers: every other one, the last included
-    "bigram": {"bigram_buckets": 32768},  # 4 x the vocabulary
-    "trigram": {"bigram_buckets": 32768, "trigram_buckets": 32768},  # the bigram table and a trigram one
-    "smear": {"smear": True},
-    "backout": {"backout": True},
     "windows": {"window_pattern": "SSSL"},  # nanochat's pattern; short windows of a quarter of the rows
-    "keep-rest": {"sampler": "keep-rest"},  # the data sampler that keeps the rest of a cropped document
 }
-INGREDIENTS["every"] = {k: v for name in ("value-embeds", "trigram", "smear", "backout", "windows")
-                        for k, v in INGREDIENTS[name].items()}
+INGREDIENTS["every"] = {k: v for name in ("value-embeds", "windows") for k, v in INGREDIENTS[name].items()}
 
 
 def ingredient_flags(spec: str) -> list[str]:

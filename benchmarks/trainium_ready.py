@@ -275,8 +275,7 @@ def compile_cost(names: list[str]) -> None:
             counter = torch._dynamo.utils.counters
             counter.clear()
             model = T.build_model(T.model_config(recipe), "cpu", recipe.dtype)
-            optimizer = T.build_optimizer(model, recipe, dataclasses.replace(options, compile_optimizer="on"),
-                                          model.compute_dtype, "inductor")
+            optimizer = T.build_optimizer(model, recipe, options, model.compute_dtype, "inductor", compiled=True)
             step_model = torch.compile(model, backend="inductor", dynamic=False)
             tokens = torch.randint(0, model.config.vocab_size, (2, recipe.seq_len + 1))
             batches = iter(lambda: (tokens[:, :-1], tokens[:, 1:], {}), None)

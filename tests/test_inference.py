@@ -18,8 +18,8 @@ from helpers import REPO, prepare_in_process, shipped_tokenizer
 VOCAB = 512
 
 
-# Every ingredient of the recipe on at once: a value embedding, hashed bigram and trigram tables and smear
-# read each token's predecessors in its own sequence, and a short window counts distances by position.
+# Every ingredient of the recipe on at once: value embeddings, and a short window that counts distances by
+# position.
 EVERY_INGREDIENT = dict(n_layer=3, **T.every_ingredient(), short_window=24)
 
 

@@ -1,19 +1,15 @@
-"""The recipe's ingredients (value embeddings, hashed n-gram tables, smear, backout, sliding windows), the
-keep-rest sampler and the stop rule: each ingredient is off by default, wired into the forward, the
-parameter table and the FLOPs count, causal, and exact on packed rows; the sampler trains on every token;
-a slow first step never ends a run."""
+"""The recipe's ingredients (value embeddings, sliding windows) and the stop rule: each ingredient is off by
+default, wired into the forward, the parameter table and the FLOPs count, causal, and exact on packed rows; a
+slow first step never ends a run."""
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
-from harness.loader import pack_rows
 from helpers import REPO, prepare_in_process
 
 sys.path.insert(0, str(REPO))
@@ -28,8 +24,8 @@ ONE_AT_A_TIME = {name: T.flags_for({name: on}) for name, on in T.every_ingredien
 
 
 def gpt(argv=(), seed=0, dtype="fp32", perturb=True) -> T.GPT:
-    """A small GPT whose every weight matters: init_weights starts several at zero (output projections,
-    n-gram tables, smear's lambda), so everything is perturbed."""
+    """A small GPT whose every weight matters: init_weights starts several at zero (output projections, the
+    value embeddings' gates), so everything is perturbed."""
     torch.manual_seed(seed)
     model = T.build_model(T.model_config(T.parse_command_line([*SHAPE, *argv])[0], vocab_size=VOCAB), dtype=dtype)
     if perturb:
@@ -48,7 +44,6 @@ def test_every_ingredient_is_off_by_default_and_the_baseline_keeps_its_parameter
         f"blocks.{i}.{part}.weight" for i in range(4) for part in
         ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     assert all(getattr(T.Recipe().architecture, name) != on for name, on in T.every_ingredient().items())
-    assert T.Recipe().sampler == "kit"
 
 
 @pytest.mark.parametrize("name", sorted(ONE_AT_A_TIME))
@@ -74,15 +69,14 @@ def test_the_flops_count_counts_gates_not_lookups_and_windows_shorten_attention(
     base, every = gpt(perturb=False), gpt(EVERY_INGREDIENT, perturb=False)
     c = base.config
     attention_full = 12 * c.n_embd * c.sequence_len
-    gates = sum(p.numel() for name, p in every.named_parameters() if "ve_gate" in name or "smear_gate" in name)
-    scalars = sum(p.numel() for p in (every.smear_lambda, every.backout_lambda))
+    gates = sum(p.numel() for name, p in every.named_parameters() if "ve_gate" in name)
     assert gates > 0
     # SSSL over 4 layers, the last one L: S, S, S, L; an S layer attends over 5 tokens
     assert every.config.windows == [5, 5, 5, None]
-    expected = base.flops_per_token() + 6 * (gates + scalars) - 3 * attention_full + 3 * 12 * c.n_embd * 5
+    expected = base.flops_per_token() + 6 * gates - 3 * attention_full + 3 * 12 * c.n_embd * 5
     assert every.flops_per_token() == expected
-    tables = sum(t.weight.numel() for t in (every.bigram, every.trigram, *every.value_embeds.values()))
-    assert every.num_params() == base.num_params() + tables + gates + scalars
+    tables = sum(t.weight.numel() for t in every.value_embeds.values())
+    assert every.num_params() == base.num_params() + tables + gates
 
 
 def test_bad_ingredient_flags_are_clear_errors(tmp_path):
@@ -95,9 +89,6 @@ def test_bad_ingredient_flags_are_clear_errors(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "train.py"), "--window-pattern", "SQ"], cwd=tmp_path,
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert run.returncode == 1 and "--window-pattern 'SQ'" in run.stderr and "Traceback" not in run.stderr
-    with pytest.raises(ValueError, match="--sampler 'shuffle': use one of kit, keep-rest") as e:
-        T.main(["--sampler", "shuffle"])  # before any data, device or process group
-    assert T.is_input_error(e.value)  # the same one-line error as above
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -117,31 +108,6 @@ def test_every_ingredient_is_causal_and_batch_independent(dtype):
     torch.testing.assert_close(alone, full[1:2], atol=tolerance, rtol=0)
 
 
-def test_predecessors_from_the_mask_of_a_packed_row():
-    """A shared prefix of 3 tokens, then two continuations: each continuation's first token follows the
-    prefix's last, not the token before it in the row."""
-    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
-    causal = torch.ones(8, 8, dtype=torch.bool).tril()
-    mask = (causal & ((segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None])))[:, None]
-    prev = T.predecessors(mask)
-    assert prev.tolist() == [[-1, 0, 1, 2, 3, 2, 5, 6]]
-    assert T.predecessors(causal[None, None]).tolist() == [list(range(-1, 7))]  # one sequence: t - 1
-    t = torch.arange(8)[None] * 10 + 1
-    assert T.at_predecessor(t, prev).tolist() == [[0, 1, 11, 21, 31, 21, 51, 61]]
-    x = torch.randn(2, 8, 3)
-    assert torch.equal(T.at_predecessor(x, T.predecessors(causal[None, None].expand(2, 1, 8, 8))),
-                       T.at_predecessor(x, None))
-
-
-def test_ngram_buckets_use_the_last_row_before_the_start_only():
-    ids = torch.tensor([[5, 9, 9, 5]])
-    before = T.at_predecessor(ids + 1, None) - 1
-    buckets = T.ngram_bucket([ids, before], 11)
-    assert buckets[0, 0] == 10 and (buckets[0, 1:] < 10).all()
-    assert buckets[0, 1] == ((9 * 36313) ^ (5 * 27191)) % 10
-    assert buckets[0, 1] != T.ngram_bucket([torch.tensor([[5]]), torch.tensor([[9]])], 11)[0, 0]  # order matters
-
-
 def test_window_masks_follow_rotary_positions():
     model = gpt(["--window-pattern", "SL", "--short-window", "3"], perturb=False)
     short, full = model.layer_masks(6, None, None)[:2]
@@ -156,6 +122,7 @@ def test_window_masks_follow_rotary_positions():
     assert windowed[0, 0, 5].tolist() == [False, True, False, False, True, True]  # positions 1, 2, 3 of its own
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # on purpose here
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_window_layers_on_flex_attention_agree_with_the_dense_mask(monkeypatch, dtype):
     """A compiled CUDA model runs its window layers on FlexAttention's block mask (uses_flex_attention); here,
@@ -196,9 +163,17 @@ def test_a_first_step_slower_than_the_budget_still_trains_and_stops_in_time(tmp_
     """Step 0 takes 4 s longer, more than the whole training time of the 8 s budget (under 3 s once the save's
     reserve is kept): the run trains on past start-up, and stops within budget."""
     env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_TRAIN_ARGS, "--time-budget", "8",
-                          "--inject-slow-first-step", "4", "--eval-tokens", "0", "--peak-tflops", "0.1",
-                          "--out-dir", str(tmp_path / "out")],
+    slow_first_step = ("import sys, time, train as T\n"
+                       "kit_step, calls = T.train_step, []\n"
+                       "def slow(*args, **kwargs):\n"
+                       "    calls.append(1)\n"
+                       "    if len(calls) == 1:\n"
+                       "        time.sleep(4)  # as a cold compile makes it\n"
+                       "    return kit_step(*args, **kwargs)\n"
+                       "T.train_step = slow\n"
+                       "sys.exit(T.main(sys.argv[1:]))\n")
+    run = subprocess.run([sys.executable, "-c", slow_first_step, *TINY_TRAIN_ARGS, "--time-budget", "8",
+                          "--eval-tokens", "0", "--peak-tflops", "0.1", "--out-dir", str(tmp_path / "out")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     s = dict(line.split(":", 1) for line in run.stdout.split("\n---\n", 1)[1].splitlines() if ":" in line)
@@ -210,43 +185,11 @@ def test_a_first_step_slower_than_the_budget_still_trains_and_stops_in_time(tmp_
     assert (tmp_path / "out" / "final.pt").exists()
 
 
-# --- the keep-rest sampler -------------------------------------------------------------------------
-
-def documents(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 1000, n).astype(np.int32) for n in lengths]
-
-
-def test_keep_rest_packs_like_the_kit_and_drops_nothing():
-    lengths = [3, 40, 7, 130, 12, 64, 5, 300, 9, 33] * 4
-    docs = documents(lengths)
-    rows = [row for row, _ in T.keep_rest_rows([(docs, 1)], 33, buffer_size=8)]
-    kit = [row for row, _ in pack_rows([(docs, 1)], 33, buffer_size=8)]
-    assert all(len(r) == 33 for r in rows)
-    total = sum(lengths)
-    kept = collections.Counter(np.concatenate(rows).tolist())
-    assert sum(kept.values()) > total - 33  # all but what cannot fill a last row
-    assert not kept - collections.Counter(np.concatenate(docs).tolist())  # nothing invented
-    assert sum(len(r) for r in kit) < 0.7 * total  # the kit's packing drops the rest of what it crops
-    # every row starts where a piece starts: a document's start, or a cropped document's rest
-    starts = {tuple(d[:4]) for d in docs}
-    assert tuple(rows[0][:4]) in starts
-
-
-def test_keep_rest_keeps_one_epoch_in_the_buffer():
-    docs = documents([20] * 6)
-    rows = list(T.keep_rest_rows([(docs[:3], 1), (docs[3:], 2), (docs[:3], 2)], 16, buffer_size=100))
-    epochs = [e for _, e in rows]
-    assert epochs == sorted(epochs) and set(epochs) == {1, 2}
-    first = np.concatenate([r for r, e in rows if e == 1]).tolist()
-    assert collections.Counter(first) <= collections.Counter(np.concatenate(docs[:3]).tolist())
-
-
 @pytest.mark.slow
-def test_every_ingredient_and_the_keep_rest_sampler_train_and_pass_the_scorers_contract(tmp_path, text_dataset):
+def test_every_ingredient_trains_and_passes_the_scorers_contract(tmp_path, text_dataset):
     env = dict(os.environ, FRONTIER_DATA_DIR=str(text_dataset), PYTHONPATH=str(REPO))
     run = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_TRAIN_ARGS, *EVERY_INGREDIENT,
-                          "--sampler", "keep-rest", "--max-steps", "12", "--eval-tokens", "0", "--out-dir",
+                          "--max-steps", "12", "--eval-tokens", "0", "--out-dir",
                           str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "num_steps:             12" in run.stdout
@@ -255,27 +198,3 @@ def test_every_ingredient_and_the_keep_rest_sampler_train_and_pass_the_scorers_c
                                 {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "causality_passed:        True" in result.stdout and "val_bpb" in result.stdout
-
-
-def test_the_keep_rest_loader_resumes_where_it_stopped_and_raises_its_thread_s_errors(text_dataset, monkeypatch):
-    import prepare
-    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
-    tokenizer = prepare.ensure_tokenizer()
-    first = T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 0, 1)
-    batches = [next(first) for _ in range(5)]
-    x, y, state = batches[0]
-    assert x.shape == y.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1]) and state == {"epoch": 1, "batches": 1}
-    resumed = T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 0, 1, start_batch=3)
-    x, y, state = next(resumed)
-    assert torch.equal(x, batches[3][0]) and torch.equal(y, batches[3][1]) and state["batches"] == 4
-    other_rank = next(T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 1, 2))[0]
-    assert not torch.equal(other_rank, next(T.keep_rest_loader(tokenizer, 4, 32, torch.device("cpu"), 0, 2))[0])
-
-    def broken():
-        yield 1
-        raise OSError("shard unreadable")
-
-    items = T.prefetched(broken())
-    assert next(items) == 1
-    with pytest.raises(OSError, match="shard unreadable"):
-        next(items)

@@ -177,17 +177,13 @@ def test_checkpoint_has_the_official_keys(tiny_checkpoint):
     assert payload["meta"]["step"] == 60 and payload["meta"]["total_train_tokens"] == 60 * 1024
 
 
-def test_load_for_eval_reads_either_layout(tiny_checkpoint, tmp_path):
+def test_load_for_eval_reads_the_organisers_layout_too(tiny_checkpoint, tmp_path):
     payload = torch.load(tiny_checkpoint, weights_only=True)
     official = {k: payload[k] for k in ("model_state", "model_config", "meta")}  # the organisers' file: no tag
-    earlier = {"format": T.EARLIER_CHECKPOINT_FORMAT, "config": payload["model_config"],
-               "state_dict": payload["model_state"], "meta": payload["meta"]}
     x = torch.randint(0, 8000, (2, 32))
     reference = T.load_for_eval(str(tiny_checkpoint), torch.device("cpu"))(x)
-    for name, layout in (("official", official), ("earlier", earlier)):
-        path = tmp_path / f"{name}.pt"
-        torch.save(layout, path)
-        assert torch.equal(T.load_for_eval(str(path), torch.device("cpu"))(x), reference), name
+    torch.save(official, tmp_path / "official.pt")
+    assert torch.equal(T.load_for_eval(str(tmp_path / "official.pt"), torch.device("cpu"))(x), reference)
 
     partial = dict(official, model_state={k: v for k, v in payload["model_state"].items() if "lm_head" not in k})
     torch.save(partial, tmp_path / "partial.pt")
@@ -235,16 +231,16 @@ def test_train_py_imports_only_the_organisers_names_from_prepare():
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
 
-EVERY_INGREDIENT = T.flags_for(T.every_ingredient()) + ["--sampler", "keep-rest"]
+EVERY_INGREDIENT = T.flags_for(T.every_ingredient())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", [[], EVERY_INGREDIENT], ids=["baseline", "every-ingredient-keep-rest"])
+@pytest.mark.parametrize("recipe", [[], EVERY_INGREDIENT], ids=["baseline", "every-ingredient"])
 def test_train_py_runs_under_a_prepare_py_with_only_the_organisers_names(tmp_path, text_dataset, recipe):
     """train.py alone in a folder (no kernels/, no harness/ beside it) with a prepare.py that has only the
     organisers' names: it trains a few steps, prints its own budget figures, writes out/final.pt where the
-    organisers' environment says, and its load_for_eval reads the checkpoint back; with every ingredient and
-    its own sampler (built on _document_batches) as well."""
+    organisers' environment says, and its load_for_eval reads the checkpoint back; with every ingredient as
+    well."""
     kit = tmp_path / "organisers_kit"
     kit.mkdir()
     (kit / "train.py").write_text((REPO / "train.py").read_text())
