@@ -10,7 +10,7 @@ command line. Participants do not edit it; the implementation lives in harness/.
     python prepare.py eval-core --inference-py inference.py --checkpoint out/final.pt   # Phase 2
 
 The command line runs participant code only in separate worker processes (harness/worker/);
-see the README, "Trust model".
+see docs/trust-model.md.
 """
 from __future__ import annotations
 

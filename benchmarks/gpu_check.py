@@ -113,8 +113,8 @@ def stage_environment(device: str) -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
-                    memory_gib=round(props.total_memory / 2**30, 1))
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                    multiprocessors=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=30)
@@ -619,11 +619,17 @@ def fmt(value, spec: str = "") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def official_why(evaluation: dict) -> str:
+    reasons = evaluation.get("not_official_because") or []
+    return f" ({'; '.join(reasons)})" if reasons else ""
+
+
 def markdown(result: dict) -> str:
     s = result["stages"]
     env = s.get("environment", {})
     lines = [f"# gpu_check {result.get('started', '')} (commit {result.get('commit')})", "",
-             f"{env.get('gpu', env.get('status', '–'))}, driver {env.get('driver', '–')}, torch {env.get('torch', '–')}, "
+             f"{env.get('gpu', env.get('status', '–'))}, driver {env.get('driver', '–')}, "
+             f"torch {env.get('torch', '–')}, "
              f"CUDA {env.get('cuda', '–')}; bf16 matmul peak measured {fmt(s.get('peak', {}).get('tflops'), '.0f')} "
              f"TFLOP/s (MFU's denominator). Each run trained for {result.get('seconds_per_run')} s of charged time.",
              "", "| run | params (M) | steps | tokens/s | MFU % | peak memory (GiB) | start-up s | first step s | "
@@ -643,7 +649,7 @@ def markdown(result: dict) -> str:
                      f"{fmt(r.get('tokens_per_second'), ',.0f')} | {fmt(r.get('mfu_percent'), '.1f')} | "
                      f"{fmt(memory / 1024 if memory else None, '.1f')} | {fmt(r.get('startup_seconds'), '.1f')} | "
                      f"{fmt(r.get('first_step_seconds'), '.1f')} | {fmt(e.get('val_bpb'), '.4f')} | "
-                     f"{e.get('official')}{' (' + '; '.join(e.get('not_official_because', [])) + ')' if e.get('not_official_because') else ''} |")
+                     f"{e.get('official')}{official_why(e)} |")
     core = s.get("core", {})
     if core.get("status") == "ok":
         h = core["honest_differences"]

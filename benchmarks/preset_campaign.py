@@ -1,6 +1,6 @@
-"""The measurement campaign behind the `cpu` preset (README, "Presets that hold beyond their budget and
-text"): a fixed plan of preset_sweep.py runs, each finished run one line of benchmarks/results/presets.tsv
-with its commit, so that the campaign continues across sessions: `run` trains only what the table does not
+"""The measurement campaign behind the `cpu` preset (docs/presets-and-benchmarks.md, "Presets that hold
+beyond their budget and text"): a fixed plan of preset_sweep.py runs, each finished run one line of
+benchmarks/results/presets.tsv with its commit, so that the campaign continues across sessions: `run` trains only what the table does not
 have yet (commit the table after each run, or let --commit do it), `status` says how far it is, `tables`
 prints one markdown table per question from what is there.
 
@@ -30,8 +30,8 @@ The plan, about 7.5 hours on the 2-core machine, and why each part:
   a fixed step count: the only evidence here for the d10 default that participants run on Trainium;
 - shapes-900-fp32: the preset and rows of 512 at 900 s on a machine that computes in fp32 (no AVX-512 BF16)
   at about half the tokens/s. On the bf16 machine rows of 512 won at 900 s, where the preset's rows of 256
-  passed 3.8 times over the part of the text they reach (README, "How much of the text a row length trains
-  on"); here they were to pass about 1.6 times (they passed 2.1: this machine outran the estimate), to
+  passed 3.8 times over the part of the text they reach (docs/presets-and-benchmarks.md, "How much of the
+  text a row length trains on"); here they were to pass about 1.6 times (they passed 2.1: this machine outran the estimate), to
   place the crossing in passes over the text rather than in seconds."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ The checks:
 - host reads: HostReads records every read of a tensor's value on the host (.item(), .tolist(), bool(t),
   float(t), printing, .cpu(), .numpy(), data-dependent shapes) and where it happened;
 - host fallbacks: OpCensus lists the aten ops and dtypes of the compiled graphs; HOST_OPS are those
-  ../README "Trainium readiness" says the Neuron backend does not run on the device."""
+  docs/trainium-readiness.md says the Neuron backend does not run on the device."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py, rehearsed on the CPU at tiny sizes: every stage runs and its JSON has every field
-the GPU run reports, so the script is ready on the day a GPU is lent (the GPU run itself: README, Benchmarks)."""
+the GPU run reports, so the script is ready on the day a GPU is lent (the GPU run itself:
+docs/presets-and-benchmarks.md, "On a CUDA GPU")."""
 from __future__ import annotations
 
 import json

@@ -111,8 +111,9 @@ def test_cpu_profile_says_how_the_peak_was_measured():
 
 @pytest.mark.parametrize("fast_bf16", [False, True])
 def test_auto_dtype_on_a_cpu_is_bf16_only_where_onednn_has_fast_bf16(monkeypatch, fast_bf16):
-    """A CPU without AVX-512 BF16 or AMX runs bf16 matmuls tens of times slower than fp32 (README,
-    "Benchmarks"), so `--dtype auto` trains in fp32 there; an explicit --dtype is always obeyed."""
+    """A CPU without AVX-512 BF16 or AMX runs bf16 matmuls tens of times slower than fp32
+    (docs/presets-and-benchmarks.md, "Benchmarks"), so `--dtype auto` trains in fp32 there; an explicit --dtype is
+    always obeyed."""
     monkeypatch.setattr(T.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast_bf16)
     assert T.compute_dtype_for("cpu") is (torch.bfloat16 if fast_bf16 else None)
     assert T.compute_dtype_for("cpu", "bf16") is torch.bfloat16

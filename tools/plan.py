@@ -32,7 +32,8 @@ import train as T  # noqa: E402
 PLAN_TOKENS_PER_PARAM = 10.5  # nanochat's compute-optimal fit for this model family (anchors: at a fixed
                               # compute budget, the loss is lowest near 10.5 training tokens per parameter)
                               # Not at CPU scale: at 5 minutes (~1e14 FLOPs) the preset sweep found ~0.7 best
-                              # (README, "The CPU preset, chosen by measurement"): size such runs by a sweep
+                              # (docs/presets-and-benchmarks.md, "The CPU preset, chosen by measurement"):
+                              # size such runs by a sweep
 PLAN_REFERENCE_BATCH = 2**18  # autoresearch's tuned batch (tokens per step) for a run of ...
 PLAN_REFERENCE_TOKENS = 5e8  # ... ~0.5B training tokens (5 minutes on an H100)
 PLAN_BATCH_EXPONENT = 0.383  # nanochat's fit: the best batch grows as (training tokens)^0.383 (2^18 at depth 8 to

@@ -66,7 +66,7 @@ SANDBOX_PART = re.compile(r"noatime|capabilities|seccomp|landlock-[0-9]{1,2}")
 ATIME_DEFENCES = ("noatime", "read ahead")
 # What a worker's reads and lookups leave in the kernel's caches (which pages of a readable file are
 # cached, which names were looked up, the missing ones included) outlives it and can be timed by the
-# next worker (README, trust model): before a second worker starts, the harness drops them all.
+# next worker (docs/trust-model.md): before a second worker starts, the harness drops them all.
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 # The worker's environment: only these variables of the harness's (an allowlist: no credentials, no
 # data locations), less the hidden ones: data and output locations, and torchrun's (the worker is one

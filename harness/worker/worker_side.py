@@ -71,8 +71,8 @@ def load_participant_model(train_py, checkpoint, device):
     """train_py's load_for_eval(checkpoint, device), checked against the load contract."""
     import torch
     model = call_participant_loader(train_py, "participant_train", "load_for_eval", checkpoint, device,
-                                    "the scorer loads the model through it (see the README, 'The metric and the "
-                                    "load contract')")
+                                    "the scorer loads the model through it (see docs/trust-model.md, 'The metric "
+                                    "and the load contract')")
     if not isinstance(model, torch.nn.Module):
         raise HarnessError(f"load_for_eval returned {type(model).__name__}, expected a torch.nn.Module")
     if model.training:
@@ -160,7 +160,7 @@ class Server:
             return {"compute_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
                     "device": str(self.device)}
         self.scorer = call_participant_loader(msg["file"], "participant_inference", "load_scorer", msg["checkpoint"],
-                                              self.device, "the CORE scorer calls it (see the README, 'Phase 2: CORE')")
+                                              self.device, "the CORE scorer calls it (see docs/phase2.md, 'CORE')")
         if not callable(getattr(self.scorer, "score", None)):
             raise HarnessError(f"load_scorer returned {type(self.scorer).__name__}, which has no score(sequences) "
                                "method")
