@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED,
                      TRAIN_TIME_BUDGET_SECONDS, ensure_tokenizer, evaluate_bpb, get_dist_info,
@@ -105,8 +105,9 @@ EVAL_SEQ_LEN = 1024  # the scorer's evaluation context (the organisers' and this
 
 
 def ingredient(off, on):
-    """An Architecture field that is off by default (the default d10 stays the organisers' baseline, README
-    "Ingredients"); `on` is a value that turns it on, which the tests and benchmarks/preset_sweep.py use."""
+    """An Architecture field that is off by default (the default d10 stays the organisers' baseline,
+    docs/presets-and-benchmarks.md "Ingredients"); `on` is a value that turns it on, which the tests and
+    benchmarks/preset_sweep.py use."""
     return field(default=off, metadata={"on": on})
 
 
@@ -725,10 +726,8 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 
 
 # ===============================================================================================
-# MACHINERY: what a run needs around the recipe, rarely edited. The run's bookkeeping, devices,
-# kernels (the inline NKI kernel and the --nki-* flags), data-parallel
-# gradients and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the command line
-# with the organisers' aliases, main().
+# MACHINERY: what a run needs around the recipe, rarely edited: the run's bookkeeping, devices, the NKI kernels,
+# data parallelism and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the command line, main().
 # ===============================================================================================
 
 # -----------------------------------------------------------------------------------------------
@@ -741,27 +740,20 @@ class TrainingDiverged(RuntimeError):
 
 
 def predicted_step_seconds(step_times: list[float]) -> float:
-    """The next step's duration, for the stop rule: the longest of the last five steps after start-up (the
-    first TRAIN_STARTUP_STEPS_EXCLUDED steps of this process compile and warm up, and say nothing about the
-    steps to come), 0 while there are none yet."""
+    """The next step's duration: the longest of the last five after start-up (0 while there are none)."""
     timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:]
     return max(timed[-5:]) if timed else 0.0
 
 
 def out_of_time(charged_seconds: float, step_times: list[float], snapshot_seconds: float,
                 training_seconds: float) -> bool:
-    """Whether to stop now: another step (and the snapshot due after it, which takes snapshot_seconds as the
-    last one did) would end past the training time. During start-up nothing is predicted, so a slow first
-    step (a cold compile) never ends the run; only charged time already spent does (start-up beyond the cap).
-    The final save has its own reserve, taken off the budget before training starts (training_seconds)."""
+    """Whether another step and the snapshot due after it would end past training_seconds (the save's reserve
+    kept). Start-up steps predict nothing, so a cold compile never ends the run."""
     return charged_seconds + predicted_step_seconds(step_times) + snapshot_seconds > training_seconds
 
 
 class Run:
-    """One training run's bookkeeping, so that train() reads as schedule, step, stop: the ranks and the
-    device, the batch geometry, the tokenizer; at start() resuming, rank 0's weights on every rank and
-    compilation; after each step the budget clock and ledger, the divergence guard, progress lines,
-    snapshots and the stop rule; at finish() the checkpoint, the public_val score and the summary."""
+    """One run's bookkeeping, so that train() reads as schedule, step, stop: start(), step_done(), finish()."""
 
     def __init__(self, recipe: Recipe, options: RunOptions, profile: DeviceProfile, device: torch.device,
                  rank: int, world_size: int):
@@ -769,8 +761,7 @@ class Run:
         self.device, self.rank, self.world_size = device, rank, world_size
         self.geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, world_size)
         self.tokenizer = ensure_tokenizer()
-        self.state = RunState()
-        self.step_times: list[float] = []
+        self.state, self.step_times = RunState(), []
         self.model = self.optimizer = self.clock = None
 
     @property
@@ -786,10 +777,8 @@ class Run:
         return self.clock.charged_seconds()
 
     def start(self, model: GPT, optimizer: DataParallelOptimizer) -> nn.Module:
-        """Make the run ready to train model with optimizer: the same weights on every rank, a snapshot
-        restored with --resume, the clock started, the budget checked, the header printed. Returns the
-        module each step calls (compiled with --compile)."""
-        recipe, options, geometry = self.recipe, self.options, self.geometry
+        """Same weights on every rank, --resume, the clock, the header; returns the module each step calls."""
+        recipe, options, geometry, profile = self.recipe, self.options, self.geometry, self.profile
         self.model, self.optimizer = model, optimizer
         if self.world_size > 1:
             for p in model.parameters():  # every rank starts from rank 0's weights
@@ -804,7 +793,6 @@ class Run:
                              f"{self.reserve:.0f}s kept for saving the checkpoint")
         self.snapshot_seconds, self.last_snapshot = self.reserve, clock_seconds()
         self.flops_per_token = model.flops_per_token()
-        profile = self.profile
         print0(f"device: {self.device} x {self.world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
                f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
         print0(f"model: {asdict(model.config)}")
@@ -816,17 +804,12 @@ class Run:
                f"of which {self.reserve:.0f}s kept for the save | schedules on "
                f"{'steps' if recipe.max_steps > 0 else 'charged time'}")
         if options.resume:
-            print0(f"resumed: {options.resume} at step {self.state.step}, {self.state.charged_seconds:.1f}s charged "
-                   "so far")
+            print0(f"resumed: {options.resume} at step {self.step}, {self.state.charged_seconds:.1f}s charged so far")
         self._mark = clock_seconds()  # the first step starts now
-        if options.compile:
-            return torch.compile(model, backend=profile.compile_backend, dynamic=False)
-        return model
+        return torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
 
     def step_done(self, loss: torch.Tensor, loader_state: dict, progress: float, lrm: float) -> bool:
-        """Account for the step just taken (its loss on this rank): the clock and the harness's ledger, the
-        loss agreed over ranks and checked, a progress line, a snapshot when one is due. Returns whether to
-        stop, the same on every rank."""
+        """Account for the step just taken (loss: this rank's); returns whether to stop, alike on every rank."""
         options, state = self.options, self.state
         synchronize(self.device)
         record_step_boundary(self.clock.step_done())  # the harness's budget ledger
@@ -845,7 +828,12 @@ class Run:
                                    "check the last change.")
         state.smooth_loss = 0.9 * state.smooth_loss + 0.1 * loss_value
         if self.rank == 0 and (len(self.step_times) <= 5 or state.step % options.log_every == 0 or stop):
-            self._print_progress(dt, progress, lrm, charged, loader_state)
+            tok_per_sec = self.recipe.total_batch_size / dt
+            mfu = 100 * self.flops_per_token * tok_per_sec / (self.profile.peak_flops * self.world_size)
+            smooth = state.smooth_loss / (1 - 0.9 ** (state.step + 1))
+            print(f"step {state.step:05d} ({100 * progress:4.1f}%) | loss: {smooth:.6f} | lrm: {lrm:.2f} | "
+                  f"dt: {dt * 1000:.0f}ms | tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | "
+                  f"epoch: {loader_state['epoch']} | remaining: {self.training_seconds - charged:.0f}s", flush=True)
         state.step += 1
         if snapshot_due and not stop:
             t0 = clock_seconds()
@@ -855,14 +843,6 @@ class Run:
             self.snapshot_seconds = self.last_snapshot - t0
         self._mark = clock_seconds()  # the next step starts now
         return stop
-
-    def _print_progress(self, dt: float, progress: float, lrm: float, charged: float, loader_state: dict) -> None:
-        tok_per_sec = self.recipe.total_batch_size / dt
-        mfu = 100 * self.flops_per_token * tok_per_sec / (self.profile.peak_flops * self.world_size)
-        smooth = self.state.smooth_loss / (1 - 0.9 ** (self.state.step + 1))
-        print(f"step {self.state.step:05d} ({100 * progress:4.1f}%) | loss: {smooth:.6f} | lrm: {lrm:.2f} | "
-              f"dt: {dt * 1000:.0f}ms | tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | epoch: {loader_state['epoch']} | "
-              f"remaining: {self.training_seconds - charged:.0f}s", flush=True)
 
     def finish(self) -> None:
         """Save out_dir/final.pt (rank 0), score public_val (every rank takes part), print the summary."""
@@ -886,8 +866,7 @@ class Run:
             self._print_summary(result, trained, final, checkpoint)
 
     def _print_summary(self, result: dict | None, trained: dict, final: dict, checkpoint: Path) -> None:
-        """The summary after `---`, autoresearch-style (key: value lines). trained / final: the clock's status
-        when training stopped / when the checkpoint was on disk."""
+        """The summary after `---`; trained / final: the clock when training stopped / the checkpoint was saved."""
         model, profile, state = self.model, self.profile, self.state
         timed = self.step_times[TRAIN_STARTUP_STEPS_EXCLUDED:] or self.step_times  # start-up steps compile, warm up
         tok_per_sec = self.recipe.total_batch_size * len(timed) / sum(timed)
@@ -897,29 +876,21 @@ class Run:
         if result is not None:
             summary += [("val_bpb", f"{result['val_bpb']:.6f}"), ("eval_tokens", result["tokens"]),
                         ("eval_seconds", f"{result['eval_seconds']:.1f}")]
-        # Where the organisers' summary names a figure differently, both names are printed (their job runners
-        # parse charged_seconds_est and startup_allowance_est).
+        # Where the organisers' summary names a figure differently (their job runners parse the _est), both names.
+        charged, startup = f"{final['charged_seconds']:.1f}", f"{final['startup_allowance_seconds']:.1f}"
         summary += [
-            ("train_loss", f"{state.train_loss:.6f}"),
-            ("training_seconds", f"{trained['charged_seconds']:.1f}"),
-            ("charged_seconds", f"{final['charged_seconds']:.1f}"),
-            ("charged_seconds_est", f"{final['charged_seconds']:.1f}"),
-            ("budget_seconds", f"{self.recipe.time_budget:.0f}"),
-            ("over_budget", final["over_budget"]),
-            ("startup_seconds", f"{final['startup_allowance_seconds']:.1f}"),
-            ("startup_allowance_est", f"{final['startup_allowance_seconds']:.1f}"),
+            ("train_loss", f"{state.train_loss:.6f}"), ("training_seconds", f"{trained['charged_seconds']:.1f}"),
+            ("charged_seconds", charged), ("charged_seconds_est", charged),
+            ("budget_seconds", f"{self.recipe.time_budget:.0f}"), ("over_budget", final["over_budget"]),
+            ("startup_seconds", startup), ("startup_allowance_est", startup),
             ("median_step_seconds", f"{median_step:.3f}" if median_step is not None else "nan"),
-            ("total_seconds", f"{final['elapsed_seconds']:.1f}"),
-            ("num_steps", state.step),
-            ("total_tokens_M", f"{state.tokens_seen / 1e6:.1f}"),
-            ("tokens_per_second", f"{tok_per_sec:.0f}"),
-            ("mfu_percent", f"{mfu:.2f}"),
-            ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
+            ("total_seconds", f"{final['elapsed_seconds']:.1f}"), ("num_steps", state.step),
+            ("total_tokens_M", f"{state.tokens_seen / 1e6:.1f}"), ("tokens_per_second", f"{tok_per_sec:.0f}"),
+            ("mfu_percent", f"{mfu:.2f}"), ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
             ("peak_source", f"{profile.peak_source} (per rank; MFU's denominator)"),
             ("comm_seconds_per_step", f"{self.optimizer.comm_seconds / len(self.step_times):.4f}"),
             ("peak_memory_mb", f"{peak_memory_mb(self.device):.1f}"),
-            ("num_params_M", f"{model.num_params() / 1e6:.1f}"),
-            ("depth", model.config.n_layer),
+            ("num_params_M", f"{model.num_params() / 1e6:.1f}"), ("depth", model.config.n_layer),
             ("device", f"{self.device.type} x {self.world_size}"),
             ("compute_dtype", str(profile.compute_dtype or torch.float32).replace("torch.", "")),
             ("checkpoint", checkpoint),
@@ -948,12 +919,9 @@ class DeviceProfile:
     peak_source: str
 
 
-# The CPU peak for MFU: the best single-thread n x n matmul over these sizes, times the threads of the
-# process. Interference from other processes only slows a call, so the best of many ~1 ms calls is the
-# core's own speed, busy machine or quiet (README, "The CPU peak": two-thread calls swung by 3x).
+# The CPU peak for MFU: other processes only slow a call, so the best of many ~1 ms calls is the core's speed.
 CPU_PEAK_SIZES = (256, 512, 1024)
-CPU_PEAK_SECONDS = 0.25  # of repeated calls per size (at least CPU_PEAK_MIN_CALLS)
-CPU_PEAK_MIN_CALLS = 3
+CPU_PEAK_SECONDS, CPU_PEAK_MIN_CALLS = 0.25, 3  # of repeated calls per size
 
 
 def cpu_threads() -> int:
@@ -963,15 +931,14 @@ def cpu_threads() -> int:
 
 
 def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: float = CPU_PEAK_SECONDS) -> float:
-    """Peak matmul FLOP/s of this process on the CPU: the best single-thread n x n matmul (over `sizes`
-    and repeated calls, after a warm-up call that builds the kernel) times cpu_threads()."""
+    """Peak matmul FLOP/s of this process on the CPU: the best single-thread matmul times cpu_threads()."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         best = 0.0
         for n in sizes:
             a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-            torch.matmul(a, b, out=c)
+            torch.matmul(a, b, out=c)  # warm-up
             calls, end = 0, time.perf_counter() + seconds
             while calls < CPU_PEAK_MIN_CALLS or time.perf_counter() < end:
                 t0 = time.perf_counter()
@@ -984,7 +951,6 @@ def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: floa
 
 
 def detect_device_type() -> str:
-    """The fastest device present: neuron, then cuda, then cpu."""
     try:
         if torch.neuron.is_available():
             return "neuron"
@@ -1011,38 +977,32 @@ def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | No
 
 
 def device_profile(device_type: str, dtype: str = "auto", peak_tflops: float = 0.0) -> DeviceProfile:
-    """The device's backends, compute dtype and peak FLOP/s per rank (MFU's denominator): the datasheet's or
-    measured, or peak_tflops (--peak-tflops) where given."""
-    profile = _device_profile(device_type, dtype, measure_peak=peak_tflops <= 0)
+    """The device's backends, compute dtype and peak FLOP/s per rank (MFU's denominator)."""
+    compute, measure = compute_dtype_for(device_type, dtype), peak_tflops <= 0
+    if device_type == "neuron":
+        lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))  # physical cores behind one rank
+        profile = DeviceProfile("neuron", "neuron", compute, "neuron", NEURONCORE_BF16_FLOPS * lnc,
+                                f"datasheet, {lnc} NeuronCore(s) per rank")
+    elif device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        datasheet = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
+        peak = datasheet if datasheet is not None else measure_cuda_flops() if measure else 0.0
+        profile = DeviceProfile("cuda", "nccl", compute, "inductor", peak,
+                                f"datasheet, {name}" if datasheet is not None else f"measured bf16 matmul on {name}")
+    elif device_type == "cpu":
+        profile = DeviceProfile("cpu", "gloo", compute, "inductor",
+                                measure_matmul_flops(compute or torch.float32) if measure else 0.0,
+                                f"best 1-thread {'bf16' if compute else 'fp32'} matmul of n = "
+                                f"{'/'.join(map(str, CPU_PEAK_SIZES))} here x {cpu_threads()} threads")
+    else:
+        raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
     if peak_tflops > 0:
         return dataclasses.replace(profile, peak_flops=peak_tflops * 1e12, peak_source="given (--peak-tflops)")
     return profile
 
 
-def _device_profile(device_type: str, dtype: str, measure_peak: bool) -> DeviceProfile:
-    compute = compute_dtype_for(device_type, dtype)
-    if device_type == "neuron":
-        lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))  # physical cores behind one rank
-        return DeviceProfile("neuron", "neuron", compute, "neuron", NEURONCORE_BF16_FLOPS * lnc,
-                             f"datasheet, {lnc} NeuronCore(s) per rank")
-    if device_type == "cuda":
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
-        if peak is None:
-            return DeviceProfile("cuda", "nccl", compute, "inductor", measure_cuda_flops() if measure_peak else 0.0,
-                                 f"measured bf16 matmul on {name}")
-        return DeviceProfile("cuda", "nccl", compute, "inductor", peak, f"datasheet, {name}")
-    if device_type == "cpu":
-        peak = measure_matmul_flops(compute or torch.float32) if measure_peak else 0.0
-        return DeviceProfile("cpu", "gloo", compute, "inductor", peak,
-                             f"best 1-thread {'bf16' if compute else 'fp32'} matmul of n = "
-                             f"{'/'.join(map(str, CPU_PEAK_SIZES))} here x {cpu_threads()} threads")
-    raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
-
-
 def measure_cuda_flops(n: int = 8192, warmup: int = 3, repeats: int = 10) -> float:
-    """The bf16 n x n matmul FLOP/s of this GPU: the median of `repeats` products timed by CUDA events, after
-    `warmup` ones (the first calls choose kernels and raise the clocks)."""
+    """The bf16 matmul FLOP/s of this GPU, after warm-up calls that choose kernels and raise the clocks."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(warmup):
         a @ a
@@ -1060,11 +1020,9 @@ def measure_cuda_flops(n: int = 8192, warmup: int = 3, repeats: int = 10) -> flo
 def init_distributed(profile: DeviceProfile) -> tuple[torch.device, int, int]:
     """(device, rank, world_size) for this process; joins the process group under torchrun."""
     ddp, rank, local_rank, world_size = get_dist_info()
+    device = torch.device("cuda", local_rank) if profile.type == "cuda" else torch.device(profile.type)
     if profile.type == "cuda":
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device(profile.type)
     if ddp:
         kwargs = {"device_id": device} if profile.type == "cuda" else {}
         dist.init_process_group(backend=profile.dist_backend, **kwargs)
@@ -1095,16 +1053,10 @@ def peak_memory_mb(device: torch.device) -> float:
 # -----------------------------------------------------------------------------------------------
 # Kernels: the inline NKI kernel relu(x)^2, and the --nki-* flags that bind kernels in place of ops
 # -----------------------------------------------------------------------------------------------
-# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI
-# kernels (defined only where nki imports), an autograd.Function that runs them, and a public op that
-# takes the kernel where the tensor fits it and the reference elsewhere, saying so once. The kernels see
-# an [N, D] tensor in HBM as tiles of 128 rows (SBUF partitions): load a tile, compute with ScalarE /
-# VectorE instructions (fp32 inside the engines), store it. A launch runs one instance per physical core
-# of the rank's logical core (NEURON_LOGICAL_NC_CONFIG: 1 or 2), and instance nl.program_id(0) takes its
-# share of the tiles. kernels/ holds more, written the same way. This one needs nothing from kernels/, since
-# a train.py may be uploaded alone, so it has its own copy of the few helpers it shares with
-# kernels/common.py, under the same names and with the same behaviour (HAS_NKI, PARTITIONS, KERNEL_DEVICE,
-# notice_once, logical_core_count, launch, pick_kernel; tests/test_kernels.py holds the two copies equal).
+# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI kernels
+# (defined only where nki imports), an autograd.Function that runs them, and an op that takes the kernel where
+# the tensor fits and the reference elsewhere. A train.py may be uploaded alone, so it keeps its own copy of
+# the kernels/common.py functions it needs (tests/test_kernels.py holds the two copies equal).
 
 try:
     import nki
@@ -1129,8 +1081,7 @@ def notice_once(message: str) -> None:
 
 
 def logical_core_count() -> int:
-    """This rank's logical NeuronCore size, NEURON_LOGICAL_NC_CONFIG: the launch grid of every kernel. It must
-    be set: a kernel's core count has to equal the compiler's and the runtime's."""
+    """NEURON_LOGICAL_NC_CONFIG, every kernel's launch grid; it must be set, to match the compiler's."""
     value = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
     if value not in ("1", "2"):
         raise ValueError(f"NEURON_LOGICAL_NC_CONFIG is {value!r}; the NKI kernels launch one instance per "
@@ -1140,9 +1091,9 @@ def logical_core_count() -> int:
 
 
 def launch(kernel, *args):
-    """Run an @nki.jit kernel on every physical core of this rank's logical core (a grid of
-    logical_core_count() instances), through torch-neuronx's wrap_nki where it imports."""
-    return _framework(kernel)[logical_core_count()](*args)
+    """Run an @nki.jit kernel on every physical core of this rank's logical core (via wrap_nki where present)."""
+    wrap_nki = _wrap_nki()
+    return (kernel if wrap_nki is None else wrap_nki(kernel))[logical_core_count()](*args)
 
 
 @functools.cache
@@ -1155,15 +1106,8 @@ def _wrap_nki():
     return None  # nki's own launch (as on its simulator)
 
 
-def _framework(kernel):
-    wrap_nki = _wrap_nki()
-    return kernel if wrap_nki is None else wrap_nki(kernel)
-
-
 def pick_kernel(name: str, x: torch.Tensor, fits: bool, why: str, n_rows: int) -> bool:
-    """True when x is on the kernels' device, nki is importable, the shape fits the kernel (`why` says how it
-    does not) and its n_rows split into 128-row tiles evenly over the logical core's physical cores. A tensor
-    the kernel cannot take runs the PyTorch reference, said once per reason."""
+    """Whether x takes the kernel (its device, nki importable, the shape fits, whole tiles per core); else a notice."""
     if x.device.type != KERNEL_DEVICE:
         return False
     if not HAS_NKI:
@@ -1255,15 +1199,13 @@ def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
     return relu2_forward_reference(x)
 
 
-# --nki-* flag (a RunOptions field) -> the op it replaces, a function of the model section (the training loss
-# included). setup_kernels binds the kernel in its place.
+# --nki-* flag (a RunOptions field) -> the recipe's function it replaces; setup_kernels binds the kernel there.
 KERNEL_OPS = {"nki_relu2": "relu_squared", "nki_rmsnorm": "norm", "nki_rope_qknorm": "rope_qknorm",
               "nki_softcap_ce": "training_loss"}
 
 
 def nki_kernel(flag: str):
-    """The NKI implementation of a --nki-* flag's op. kernels/ is imported here, only when its flag is on,
-    so a train.py that runs without the folder still runs (--nki-relu2 included)."""
+    """The NKI op of a --nki-* flag; kernels/ is imported only here, so a train.py runs without the folder."""
     if flag == "nki_relu2":
         return relu_squared_nki
     if flag == "nki_rmsnorm":
@@ -1279,13 +1221,12 @@ def nki_kernel(flag: str):
 
 
 def kernel_training_loss(kernel, logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
-    """training_loss through kernels/softcap_ce.py's per-row softcap cross-entropy (--nki-softcap-ce)."""
+    """training_loss as the mean of the kernel's per-row softcap cross-entropy (--nki-softcap-ce)."""
     return kernel(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), cap).mean()
 
 
 def kernel_loss_difference(loss_fn, cap: float = 15.0) -> float:
-    """How far loss_fn (the recipe's training_loss) is from the softcap cross-entropy --nki-softcap-ce computes,
-    on a random batch, by kernels/softcap_ce.py's reference: 0 up to rounding when the loss is the kit's."""
+    """How far loss_fn is from the softcap cross-entropy --nki-softcap-ce computes, on a random batch."""
     from kernels.softcap_ce import softcap_ce_forward_reference
     g = torch.Generator().manual_seed(0)
     logits, targets = 8 * torch.randn(2, 16, 40, generator=g), torch.randint(0, 40, (2, 16), generator=g)
@@ -1294,8 +1235,7 @@ def kernel_loss_difference(loss_fn, cap: float = 15.0) -> float:
 
 
 def ops_the_model_calls(config: GPTConfig) -> set[str]:
-    """Which ops of KERNEL_OPS a training step of this model calls: its forward and loss, run once on a twin
-    on the meta device (no compute, no memory), each op counted."""
+    """Which ops of KERNEL_OPS this model's forward and loss call, run once on a meta-device twin."""
     originals, called = {op: globals()[op] for op in KERNEL_OPS.values()}, set()
 
     def counted(op):
@@ -1316,8 +1256,7 @@ def ops_the_model_calls(config: GPTConfig) -> set[str]:
 
 
 def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> None:
-    """Check that the --nki-* flags can run here, then bind each flag's kernel in place of its op; stop with the
-    reason otherwise."""
+    """Bind each --nki-* flag's kernel in place of its op, or stop saying why it cannot run here."""
     on = [flag for flag in KERNEL_OPS if getattr(options, flag)]
     if not on:
         return
@@ -1357,8 +1296,7 @@ def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> N
     bind_kernels(options)
 
 
-def bind_kernels(options: RunOptions) -> None:
-    """Bind the kernel of each --nki-* flag that is on in place of its op (setup_kernels checks first)."""
+def bind_kernels(options: RunOptions) -> None:  # setup_kernels checks first
     globals().update({op: nki_kernel(flag) for flag, op in KERNEL_OPS.items() if getattr(options, flag)})
 
 
@@ -1366,18 +1304,14 @@ def bind_kernels(options: RunOptions) -> None:
 # Data parallelism and ZeRO-1: the gradients averaged over ranks, the update sharded
 # -----------------------------------------------------------------------------------------------
 
-# Gradients travel in buckets, each sent as soon as the backward has produced all of its gradients.
-# A bucket is `parts` equal chunks (parts = world size when the optimizer is sharded, else 1): chunk r
-# holds what rank r owns, so one reduce-scatter hands each rank the summed gradients of its own
-# parameters and one all-gather of the chunks returns every updated weight to every rank.
-SHARD_MAX_PADDING = 1 / 8  # a sharded bucket closes only once its chunks are this even: matrices are
-                           # indivisible, and padding is sent like data
+# A bucket is `parts` equal chunks (the world size when sharded, else 1), chunk r holding what rank r owns: one
+# reduce-scatter hands each rank its summed gradients, one all-gather returns every updated weight.
+SHARD_MAX_PADDING = 1 / 8  # matrices are indivisible, and padding is sent like data
 
 
 @dataclass
 class Slot:
-    """Where one parameter sits in its bucket: whole in chunk `owner` from `offset` (a Muon matrix),
-    or, with owner None, cut into slices of `size` elements, slice r in chunk r from `offset`."""
+    """A parameter's place from `offset`: whole in chunk `owner` (a Muon matrix), or (owner None) slice r in chunk r."""
     owner: int | None
     offset: int
     size: int
@@ -1387,7 +1321,7 @@ class Slot:
 class Bucket:
     """Parameters whose gradients travel together, laid out in `parts` chunks (see layout_bucket)."""
     params: list[torch.Tensor]
-    parts: int  # chunks
+    parts: int
     chunk: int  # elements per chunk
     slots: dict  # parameter -> Slot
     flat: torch.Tensor | None = None  # parts x chunk: the gradients sent, then (sharded) the weights gathered
@@ -1400,9 +1334,8 @@ class Bucket:
 
 
 def layout_bucket(params: list[torch.Tensor], whole: set, parts: int, load: list[int]) -> Bucket:
-    """`parts` equal chunks: each matrix in `whole` goes whole to the chunk with the least data, the
-    largest first (ties: the rank with the least `load` so far, which this updates); every other
-    parameter is sliced evenly across all chunks, after the matrices."""
+    """`parts` equal chunks: each matrix in `whole`, largest first, whole to the chunk with the least data (ties:
+    the least `load` so far, which this updates); every other parameter sliced across all chunks, after them."""
     fill, owner = [0] * parts, {}
     for p in sorted((p for p in params if p in whole), key=lambda p: -p.numel()):
         r = min(range(parts), key=lambda r: (fill[r], load[r], r))
@@ -1423,9 +1356,7 @@ def layout_bucket(params: list[torch.Tensor], whole: set, parts: int, load: list
 
 
 def plan_buckets(params: list[torch.Tensor], whole: set, parts: int, bucket_elements: int) -> list[Bucket]:
-    """Buckets of `params`, taken in the order their gradients become ready: each closes once it holds
-    bucket_elements elements and (sharded) pads at most SHARD_MAX_PADDING; a badly padded tail joins
-    the bucket before it. The same on every rank, since it depends only on shapes."""
+    """Buckets of `params` (in gradient-ready order) of bucket_elements or more, padding at most SHARD_MAX_PADDING."""
     def even(group):
         bucket = layout_bucket(group, whole, parts, [0] * parts)
         return bucket.padding <= SHARD_MAX_PADDING * sum(p.numel() for p in group)
@@ -1448,17 +1379,11 @@ def plan_buckets(params: list[torch.Tensor], whole: set, parts: int, bucket_elem
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-class DataParallelOptimizer:
-    """MuonAdamW under data parallelism: the gradients averaged over ranks and, sharded (ZeRO-1), each rank
-    updating only its share of the parameters. On one process it only passes the step on.
 
-    A hook on each parameter copies its gradient into its bucket once the backward of the step's last
-    micro-batch (of accumulation_steps) has produced it, and a full bucket is sent at once. step() sends
-    the rest and waits, then hands the update rule values and gradients: unsharded, every parameter with
-    its averaged p.grad; sharded, the Muon matrices this rank owns (whole) and this rank's slice of every
-    other parameter (a tensor of its own), each with its averaged gradient (a view of the rank's chunk,
-    which a reduce-scatter filled). Sharded, the updated values then go back into the chunks, and one
-    all-gather writes every rank's share into every rank's parameters."""
+class DataParallelOptimizer:
+    """MuonAdamW under data parallelism: the gradients averaged over ranks (each bucket sent once the backward
+    of the step's last micro-batch has filled it) and, sharded (ZeRO-1), each rank updating only the Muon
+    matrices it owns and its slice of every other parameter. On one process it only passes the step on."""
 
     SCHEDULED = MuonAdamW.SCHEDULED
 
@@ -1466,8 +1391,7 @@ class DataParallelOptimizer:
                  ready_order: list[torch.Tensor] | None = None, bucket_bytes: int = 25 * 2**20,
                  accumulation_steps: int = 1, compile_backend: str | None = None):
         self.rank, self.world_size, self.shard = rank, world_size, shard and world_size > 1
-        self.accumulation_steps = accumulation_steps
-        self.comm_seconds = 0.0  # host seconds spent waiting on communication, cumulative
+        self.accumulation_steps, self.comm_seconds = accumulation_steps, 0.0  # comm: host seconds spent waiting
         params = [p for g in param_groups for p in g["params"]]
         self._matrices = [g["params"] for g in param_groups if g["kind"] == "muon"]  # whole on their owner
         order = ready_order or params[::-1]
@@ -1488,10 +1412,7 @@ class DataParallelOptimizer:
         self.optimizer = MuonAdamW(mine, compile_backend)
         self._backwards = collections.Counter()  # backward passes that reached each parameter since the last step
         self._packed, self._launched, self._grads_ready = set(), 0, False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in order] \
-            if world_size > 1 else []
-
-    # -- the update rule's face: schedules, state --------------------------------------------------------
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in order] if world_size > 1 else []
 
     @property
     def param_groups(self) -> list[dict]:
@@ -1522,8 +1443,6 @@ class DataParallelOptimizer:
         """Whether this rank updates (some of) p: all of it unsharded; sharded, a slice or an owned matrix."""
         return not self.shard or self._slot[p][1].owner in (None, self.rank)
 
-    # -- the step ------------------------------------------------------------------------------------------
-
     @torch.no_grad()
     def step(self) -> None:
         self.wait_for_gradients()
@@ -1538,14 +1457,11 @@ class DataParallelOptimizer:
         self._finish_step()
 
     def wait_for_gradients(self) -> None:
-        """Finish averaging the gradients over ranks: sends what the backward has not sent and waits.
-        Unsharded, p.grad then holds the average; sharded, each rank's chunks hold its own."""
+        """Send what the backward has not sent, wait, and average: into p.grad, or sharded this rank's chunks."""
         if self.world_size == 1 or self._grads_ready:
             return
-        for bucket in self.buckets[self._launched:]:
-            for p in bucket.params:
-                if p not in self._packed:
-                    self._pack(p)
+        for p in [p for bucket in self.buckets[self._launched:] for p in bucket.params if p not in self._packed]:
+            self._pack(p)
         self._launch_full_buckets()
         self._wait()
         for bucket in self.buckets:
@@ -1563,13 +1479,11 @@ class DataParallelOptimizer:
         self._grads_ready = True
 
     def _finish_step(self) -> None:
-        """Sharded: write this rank's updated values into its chunks (where the spent gradients were),
-        all-gather every rank's chunks and copy them into the parameters. Then ready for the next step."""
+        """Sharded: this rank's new values into its chunks, all-gathered into every rank's parameters."""
         if self.shard:
-            for p in self._slot:
-                if self._updates(p):
-                    values = self._slices.get(p, p)
-                    self._own_part(p).copy_(values.view_as(self._own_part(p)))
+            for p in filter(self._updates, self._slot):
+                part = self._own_part(p)
+                part.copy_(self._slices.get(p, p).view_as(part))
             for bucket in self.buckets:
                 bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
             self._wait()
@@ -1584,8 +1498,6 @@ class DataParallelOptimizer:
         self._backwards.clear()
         self._launched, self._grads_ready = 0, False
 
-    # -- gradients, from the backward ----------------------------------------------------------------
-
     def _grad_ready(self, p: torch.Tensor) -> None:
         self._backwards[p] += 1
         if self._backwards[p] < self.accumulation_steps:
@@ -1598,7 +1510,6 @@ class DataParallelOptimizer:
         self._launch_full_buckets()
 
     def _pack(self, p: torch.Tensor) -> None:
-        """Copy p's gradient into its bucket (zeros if it has none)."""
         bucket, slot = self._slot[p]
         flat = bucket.flat.view(bucket.parts, bucket.chunk)
         grad = p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=flat.device)
@@ -1614,15 +1525,12 @@ class DataParallelOptimizer:
         while self._launched < len(self.buckets) and \
                 all(p in self._packed for p in self.buckets[self._launched].params):
             bucket = self.buckets[self._launched]
-            if self.shard:
-                bucket.work = _reduce_scatter(bucket.own, bucket.flat, async_op=True)
-            else:
-                bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+            bucket.work = _reduce_scatter(bucket.own, bucket.flat, async_op=True) if self.shard else \
+                dist.all_reduce(bucket.flat, async_op=True)
             self._launched += 1
 
     def _wait(self) -> None:
-        # Finished works stay referenced until the next collective replaces them: a work that the
-        # backend's thread releases last frees its tensors there, which aborts a process at exit (gloo).
+        # Finished works stay referenced: one that gloo's thread releases last aborts the process at exit.
         t0 = time.perf_counter()
         for bucket in self.buckets:
             if bucket.work is not None:
@@ -1630,8 +1538,7 @@ class DataParallelOptimizer:
         self.comm_seconds += time.perf_counter() - t0
 
     def _own_part(self, p: torch.Tensor) -> torch.Tensor:
-        """Sharded: p's place in this rank's chunk (all of p, or this rank's slice of it), which holds
-        its averaged gradient until _finish_step() writes the new values there."""
+        """Sharded: p's place in this rank's chunk (all of p, or its slice): its gradient, then its new values."""
         bucket, slot = self._slot[p]
         part = bucket.own[slot.offset:slot.offset + (p.numel() if slot.owner is not None else slot.size)]
         return part.view_as(p) if slot.owner is not None else part
@@ -1639,23 +1546,12 @@ class DataParallelOptimizer:
     def _own_slice(self, p: torch.Tensor) -> torch.Tensor:
         """The current values of this rank's slice of p, zero-padded to the slice size."""
         size = self._slot[p][1].size
-        start = self.rank * size
-        values = p.new_zeros(size)
-        values[:max(0, min(size, p.numel() - start))] = p.view(-1)[start:start + size]
-        return values
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks (before building another optimizer for the same model)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        mine = p.view(-1)[self.rank * size:(self.rank + 1) * size]
+        return F.pad(mine, (0, size - mine.numel()))
 
 
 def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
-    """The parameters in the order the backward completes their gradients, so that the first buckets
-    travel while it still runs: the reverse of the order the forward first uses them (the backward is
-    done with a parameter once it is back at its first use). Found by running the forward once on a
-    copy of the model on the meta device (no compute, no memory): no list to keep by hand."""
+    """The parameters in the order the backward completes their gradients: the reverse of first use in a forward."""
     with torch.device("meta"):
         twin = type(model)(model.config)
     names, first_use = {id(p): name for name, p in twin.named_parameters()}, {}
@@ -1674,31 +1570,22 @@ def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
     return [params[name] for name in sorted(first_use, key=first_use.get, reverse=True)] + unused
 
 
-GRAD_BUCKET_MB = 25.0  # gradients travel in buckets of about this size, each as soon as it is full
-
-
 def build_optimizer(model: GPT, recipe: Recipe, options: RunOptions | None = None,
                     ns_dtype: torch.dtype | None = torch.bfloat16, compile_backend: str = "inductor",
                     accumulation_steps: int = 1, shard: bool | None = None, compiled: bool | None = None,
-                    bucket_mb: float = GRAD_BUCKET_MB) -> DataParallelOptimizer:
-    """MuonAdamW over parameter_groups(model, ...), its update compiled with `compile_backend` (the device
-    profile's) with --compile, inside DataParallelOptimizer: under torchrun the gradients are averaged over
-    the ranks (sent during the backward of the last of accumulation_steps micro-batches) and the update is
-    sharded (ZeRO-1) unless the matrices deal out too unevenly. ns_dtype: Polar Express's precision (None:
-    fp32). shard, compiled (None: as just said) and bucket_mb: what benchmarks and tests compare."""
-    options = options or RunOptions()
+                    bucket_mb: float = 25.0) -> DataParallelOptimizer:
+    """MuonAdamW over parameter_groups(model, ...) inside DataParallelOptimizer. ns_dtype: Polar Express's
+    precision (None: fp32); shard, compiled (None: the run's choice) and bucket_mb: for benchmarks and tests."""
     groups = parameter_groups(model, recipe, ns_dtype)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     ready_order = gradient_ready_order(model) if world_size > 1 else None
     bucket_bytes = int(bucket_mb * 2**20)
-    # Sharding sends as much as averaging does (a reduce-scatter and an all-gather make an all-reduce),
-    # plus the padding, and saves state and update work on every rank: it shards unless the
-    # matrices deal out too unevenly over the ranks (few matrices, many ranks).
+    # Sharding sends as much as averaging, plus padding, and saves state and update work: unless it pads too much.
     whole = {p for g in groups if g["kind"] == "muon" for p in g["params"]}
     padding = sum(b.padding for b in plan_buckets(ready_order or [], whole, world_size, bucket_bytes // 4)) \
         / model.num_params()
     shard = (padding <= SHARD_MAX_PADDING if shard is None else shard) and world_size > 1
-    compiled = options.compile if compiled is None else compiled
+    compiled = (options or RunOptions()).compile if compiled is None else compiled
     optimizer = DataParallelOptimizer(groups, rank, world_size, shard, ready_order, bucket_bytes, accumulation_steps,
                                       compile_backend if compiled else None)
     line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
@@ -1721,7 +1608,7 @@ def agree_across_ranks(loss: torch.Tensor, stop: bool, world_size: int) -> tuple
 
 
 def any_rank(flag: bool, device: torch.device, world_size: int) -> bool:
-    """Whether flag is true on some rank: for decisions every rank must take together (one small collective)."""
+    """Whether flag is true on some rank: for decisions every rank takes together."""
     if world_size == 1:
         return flag
     vote = torch.tensor(float(flag), device=device)
@@ -1749,11 +1636,8 @@ class BatchGeometry:
 
 
 def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> BatchGeometry:
-    """The rule: the total batch and the sequence length are the recipe and never change; the device
-    batch is a memory and speed knob, so it shrinks to the largest value not above the one asked for
-    such that device batch x seq_len x world size divides the total batch. No geometry exists when the
-    total batch is not a whole number of rows on every rank (too many ranks, or a total batch that is
-    not a multiple of seq_len x world size): then a clear error says what would work."""
+    """The recipe's total batch and seq_len never change; the device batch shrinks to the largest value not above
+    the one asked for such that device batch x seq_len x world size divides the total batch."""
     for name, value in (("--total-batch-size", total_batch_size), ("--device-batch-size", device_batch_size),
                         ("--seq-len", seq_len), ("world size", world_size)):
         if value < 1:
@@ -1778,15 +1662,10 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
 # -----------------------------------------------------------------------------------------------
 # The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it
 # -----------------------------------------------------------------------------------------------
-# Charged time = wall time since the process started, minus the start-up allowance (the time until
-# the end of this process's step TRAIN_STARTUP_STEPS_EXCLUDED - 1, at most
-# TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS), plus what a resumed run's earlier processes were charged. The
-# organisers' prepare.py gives train.py the constants and record_step_boundary, not its ledger's
-# figures, so train.py counts for itself; the harness's ledger counts from the same step boundaries.
+# Charged time = wall time since the process started, minus the start-up allowance, plus earlier processes'.
 
 def clock_seconds() -> float:
-    """The budget's clock: Linux's boot clock (the one /proc/self/stat dates the process's start on),
-    else a monotonic one. Never time.time(): NTP or settimeofday can step it mid-run."""
+    """Linux's boot clock (/proc/self/stat's), else a monotonic one; never time.time(), which NTP can step."""
     return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
 
@@ -1795,8 +1674,7 @@ PROCESS_START_LIMIT = 3600.0  # s before the import: an earlier start read from 
 
 
 def process_start_time() -> float:
-    """clock_seconds() when this process started: on Linux from /proc (the interpreter's start and the
-    imports count); elsewhere when train.py was imported, which is later, so it charges less."""
+    """clock_seconds() when this process started (from /proc on Linux), else when train.py was imported."""
     try:
         started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):  # field 22 above: the start, in ticks of the boot clock
@@ -1811,8 +1689,7 @@ class BudgetClock:
         self.step_ends: list[float] = []  # when each optimizer step of this process ended
 
     def step_done(self) -> int:
-        """Note the end of an optimizer step; returns its index in this process (what
-        record_step_boundary takes: a resumed process starts again from 0, with its own start-up)."""
+        """Note the end of an optimizer step; returns its index in this process (record_step_boundary's)."""
         self.step_ends.append(clock_seconds())
         return len(self.step_ends) - 1
 
@@ -1829,8 +1706,6 @@ class BudgetClock:
         return self.status(float("inf"))["charged_seconds"]
 
     def median_step_seconds(self) -> float | None:
-        """The median step after start-up (None before there is one), printed beside the start-up: a
-        start-up far longer than a few steps is compilation or a slow first step."""
         ends = self.step_ends[TRAIN_STARTUP_STEPS_EXCLUDED - 1:]
         return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) > 1 else None
 
@@ -1838,9 +1713,7 @@ class BudgetClock:
 # -----------------------------------------------------------------------------------------------
 # Checkpoint: model config as plain data + state dict + run metadata, written atomically
 # -----------------------------------------------------------------------------------------------
-# out/final.pt is what the scorer loads: the organisers' keys (model_state, model_config, meta) plus
-# our format tag. load_for_eval also reads the organisers' checkpoints (the same keys, no tag) and the
-# kit's earlier layout (format .../1: config, state_dict).
+# The organisers' keys (model_state, model_config, meta) plus our format tag, which their checkpoints lack.
 
 CHECKPOINT_FORMAT = "trainium-frontier-gpt/2"
 
@@ -1868,8 +1741,7 @@ def checkpoint_save_reserve(model: GPT) -> float:
 
 
 def read_checkpoint(path) -> tuple[dict, dict, dict]:
-    """(model config, state dict, meta) of a checkpoint (the kit's, or the organisers' layout without the
-    format tag), loaded with weights_only=True: the file can hold tensors and plain data only, never code."""
+    """(model config, state dict, meta) of a checkpoint, loaded with weights_only=True: never code."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -1883,14 +1755,7 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
                      f"{CHECKPOINT_FORMAT!r} and the organisers' layout (model_state, model_config, meta)")
 
 
-# Resumable runs. --save-every SECONDS writes the full training state under out_dir/state:
-# step_NNNNNN/model.pt (weights, checkpoint format), step_NNNNNN/optimizer_rankNNNNN.pt (each rank's
-# optimizer.state_dict(), its shard when the optimizer is sharded, and its CPU RNG state), and latest.json
-# (step, tokens, charged seconds, batch geometry, the recipe). Every rank writes its files, all meet at a
-# barrier, and only then rank 0 points latest.json at the new folder and removes the older ones: a
-# crash at any moment leaves the previous snapshot whole. The loader position is the step count
-# (make_dataloader(start_batch=...) skips what was consumed). On several servers, --out-dir must be
-# storage every server sees.
+# Resumable runs: latest.json moves to a snapshot once every rank's files are on disk, so a crash leaves one whole.
 
 STATE_DIR = "state"
 
@@ -1904,25 +1769,12 @@ class RunState:
     charged_seconds: float = 0.0  # charged time when the snapshot was complete
 
     @property
-    def train_loss(self) -> float:
-        """The smoothed loss, bias-corrected: the summary's train_loss."""
+    def train_loss(self) -> float:  # bias-corrected
         return self.smooth_loss / (1 - 0.9 ** self.step)
 
 
 class ResumeError(ValueError):
     pass
-
-
-def on_cpu(tree):
-    """A copy of a nest of dicts, lists and tuples with every tensor moved to the CPU (what torch.save writes
-    whatever the device; load_state_dict moves the state back to each parameter's device)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: on_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(on_cpu(v) for v in tree)
-    return tree
 
 
 def save_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, run: RunState, recipe: Recipe,
@@ -1931,7 +1783,8 @@ def save_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, run: RunSta
     folder = state_dir / f"step_{run.step:06d}"
     if rank == 0:
         save_checkpoint(folder / "model.pt", model, {"step": run.step, "total_train_tokens": run.tokens_seen})
-    rank_state = {"optimizer": on_cpu(optimizer.state_dict()), "rng": torch.get_rng_state()}
+    rank_state = {"optimizer": tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), optimizer.state_dict()),
+                  "rng": torch.get_rng_state()}
     write_atomically(folder / f"optimizer_rank{rank:05d}.pt", lambda tmp: torch.save(rank_state, tmp))
     if geometry.world_size > 1:
         dist.barrier()  # every rank's files are on disk
@@ -1977,15 +1830,13 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, recipe: Rec
 
 
 # -----------------------------------------------------------------------------------------------
-# -----------------------------------------------------------------------------------------------
-# The command line: a flag for every Recipe, Architecture and RunOptions field, presets, the organisers' aliases
+# The command line: a flag for every setting, presets, the organisers' aliases; main()
 # -----------------------------------------------------------------------------------------------
 
 
 @dataclass
 class RunOptions:
-    """How a run executes around its recipe: each is a flag too, and a resumed run may change any of them
-    (compilation and kernels change rounding at most)."""
+    """How a run executes around its recipe: flags too, which a resumed run may change (rounding at most)."""
     device: str = ""  # neuron, cuda or cpu; empty (or auto): the fastest present
     compile: bool = False  # torch.compile the model (compile time counts as start-up, capped)
     nki_relu2: bool = False  # the MLP activation as the inline NKI kernel (neuron device only)
@@ -1993,57 +1844,41 @@ class RunOptions:
     nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
     nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
     out_dir: str = "out"
-    save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none); a crash then
-                             # loses at most this much training
+    save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none)
     resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
     log_every: int = 10  # print a progress line every this many steps
-    peak_tflops: float = 0.0  # the peak TFLOP/s per rank that MFU divides by (0: the datasheet's, or measured on a
-                              # CPU, which takes about a second)
+    peak_tflops: float = 0.0  # the peak TFLOP/s per rank that MFU divides by (0: the datasheet's, or measured)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
 
 
-# The organisers' baseline train.py spells three flags differently and reads settings from the
-# environment; both spellings work, with the same meaning. Precedence, lowest first: the defaults,
-# --preset, the environment, the command line.
+# The organisers' spellings of three flags, and the variables that set a field (two set must agree): theirs, and
+# the FRONTIER_* ones prepare.py reads. Precedence, lowest first: defaults, --preset, environment, command line.
 OFFICIAL_FLAG_NAMES = {"max_steps": "--num-steps", "time_budget": "--max-train-seconds", "device": "--device-type"}
-# field -> the variables that set it: the organisers' names, and for the three settings the kit's prepare.py
-# reads too (so that train.py writes where `prepare.py eval-public` looks) its FRONTIER_* names. Two set
-# variables of one field must agree.
 ENVIRONMENT = {"max_steps": ("NEURON_COMPETITION_R1_NUM_STEPS",),
                "time_budget": ("NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",),
-               "compile": ("NEURON_COMPETITION_R1_COMPILE",),
-               "nki_relu2": ("NEURON_COMPETITION_R1_NKI_RELU2",),
+               "compile": ("NEURON_COMPETITION_R1_COMPILE",), "nki_relu2": ("NEURON_COMPETITION_R1_NKI_RELU2",),
                "out_dir": ("NEURON_COMPETITION_R1_OUT_DIR", "FRONTIER_OUT_DIR"),
                "eval_public": ("NEURON_COMPETITION_R1_EVAL_PUBLIC", "FRONTIER_EVAL_PUBLIC"),
                "eval_tokens": ("NEURON_COMPETITION_R1_EVAL_TOKENS", "FRONTIER_EVAL_TOKENS")}
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+BOOL_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 
 
-# The ingredients the cpu and gpu presets (and so autoresearch's starting point) adopt: the winners of
-# `benchmarks/preset_sweep.py --budget 300 --ingredients ...` at the cpu preset (README, "Ingredients"):
-# value embeddings -0.154 bpb, short windows -0.074, both -0.232 (one seed). The default (the organisers'
-# d10 baseline) never takes them, so its number stays comparable.
+# The cpu and gpu presets' ingredients, the winners of benchmarks/preset_sweep.py at the cpu preset (-0.232
+# bpb together, one seed). The default, the organisers' d10 baseline, never takes them: it stays comparable.
 ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL")
 
 PRESETS = {
-    # A laptop CPU for 5 minutes: the winner of benchmarks/preset_sweep.py at 300 s on the 2-core
-    # machine (val_bpb 1.265 against 1.585 for the depth-4, width-384 model it replaced; table in the
-    # README), with the adopted ingredients on top. Small (4.5M parameters before the value embeddings'
-    # 3.1M, under a token each in 5 minutes) and short rows, so ~600 steps of 4K tokens; compiled,
-    # because eager elementwise work on the 8192-wide logits dominates a CPU step. Rows of 256 reach only
-    # the start of each document: once a run passes over the text twice (`epoch: 3`), --seq-len 512 wins
-    # (benchmarks/preset_campaign.py; README, "Presets that hold beyond their budget and text").
+    # A laptop CPU for 5 minutes: benchmarks/preset_sweep.py's winner at 300 s on 2 cores, ~600 steps of 4K
+    # tokens; compiled, since eager elementwise work on the 8192-wide logits dominates a CPU step. Once a run
+    # passes over the text twice (`epoch: 3`), --seq-len 512 wins (benchmarks/preset_campaign.py).
     "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
                 compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, **ADOPTED_INGREDIENTS),
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
     "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0,
                 **ADOPTED_INGREDIENTS),
-    # Phase 2: a trn2.48xlarge (16 chips, 64 ranks at NEURON_LOGICAL_NC_CONFIG=2) for 4 hours: what
-    # `tools/plan.py --ranks 64 --budget 14400` picks at the assumed MFU (a test keeps the two in step), ~10 tokens
-    # per parameter where the depth-10 default would see ~1100. Two rows per micro-batch keep the depth-23
-    # model's weights, gradients, optimizer state and activations well inside a rank's 24 GiB at LNC=2 (an
-    # estimate: measure peak_memory_mb on the machine). A snapshot every 30 minutes bounds what a crash costs.
+    # Phase 2: a trn2.48xlarge (64 ranks at LNC=2) for 4 hours, as `tools/plan.py --ranks 64 --budget 14400`
+    # picks (a test keeps the two in step); two rows per micro-batch keep a rank inside its 24 GiB (estimated).
     "phase2": dict(depth=23, total_batch_size=2**19, device_batch_size=2, time_budget=14400.0, save_every=1800.0),
 }
 
@@ -2074,24 +1909,18 @@ def recipe_settings(recipe: Recipe) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Flags for every Recipe, Architecture and RunOptions field (with the official spelling beside ours where
-    it differs) and --preset."""
+    """--preset and a flag for every Recipe, Architecture and RunOptions field (and the official spellings)."""
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
     for kind in SETTING_KINDS:
         group = parser.add_argument_group(f"{kind.__name__} (see its comments in train.py)")
         for f in kind_fields(kind):
             official = [OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else []
-            flags = ["--" + f.name.replace("_", "-"), *official]
-            help_text = f"default: {f.default!r}"
-            if f.name in ENVIRONMENT:
-                help_text += f"; environment: {' or '.join(ENVIRONMENT[f.name])}"
-            if f.type in ("bool", bool):
-                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                   help=help_text)
-            else:
-                group.add_argument(*flags, dest=f.name, type={"int": int, "float": float, "str": str}[str(f.type)],
-                                   default=None, help=help_text)
+            environment = f"; environment: {' or '.join(ENVIRONMENT[f.name])}" if f.name in ENVIRONMENT else ""
+            parse = {"action": argparse.BooleanOptionalAction} if f.type in ("bool", bool) else \
+                {"type": {"int": int, "float": float, "str": str}[str(f.type)]}
+            group.add_argument("--" + f.name.replace("_", "-"), *official, dest=f.name, default=None,
+                               help=f"default: {f.default!r}{environment}", **parse)
     return parser
 
 
@@ -2108,15 +1937,10 @@ def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) ->
                          "same thing: unset one")
         var, raw = next(iter(found.items()))  # (the others say the same)
         try:
-            if types[name] == "bool":
-                if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
-                    raise ValueError
-                values[name] = raw.lower() in TRUE_WORDS
-            else:
-                values[name] = {"int": int, "float": float, "str": str}[types[name]](raw)
-        except ValueError:
-            kind = {"bool": f"one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}", "int": "an integer",
-                    "float": "a number"}[types[name]]
+            values[name] = BOOL_WORDS[raw.lower()] if types[name] == "bool" else \
+                {"int": int, "float": float, "str": str}[types[name]](raw)
+        except (KeyError, ValueError):
+            kind = {"bool": f"one of {'/'.join(BOOL_WORDS)}", "int": "an integer", "float": "a number"}[types[name]]
             parser.error(f"environment variable {var}={raw!r} is not {kind}; fix it or unset it")
         used[name] = f"{var}={raw}"
     return values, used
@@ -2129,23 +1953,15 @@ def parse_command_line(argv=None) -> tuple[Recipe, RunOptions, list[str]]:
 
 
 def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Recipe, RunOptions, list[str]]:
-    """The recipe and run options of parsed flags (of build_parser(), perhaps with a tool's own added),
-    --preset and the environment, in that precedence (see OFFICIAL_FLAG_NAMES)."""
-    values = dict(PRESETS[args.preset]) if args.preset else {}
+    """The recipe and run options of build_parser()'s parsed flags, --preset and the environment."""
     from_env, used = environment_settings(parser)
     given = {f.name: getattr(args, f.name) for f in setting_fields() if getattr(args, f.name) is not None}
     notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
                                                               else "") for name, setting in used.items()]
-    values.update(from_env)
-    values.update(given)
+    values = {**(PRESETS[args.preset] if args.preset else {}), **from_env, **given}
     recipe, architecture, options = ({f.name: values[f.name] for f in kind_fields(kind) if f.name in values}
                                      for kind in SETTING_KINDS)
     return Recipe(**recipe, architecture=Architecture(**architecture)), RunOptions(**options), notes
-
-
-# -----------------------------------------------------------------------------------------------
-# main
-# -----------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
@@ -2167,9 +1983,7 @@ def main(argv=None) -> int:
 
 
 def is_input_error(e: BaseException) -> bool:
-    """A problem with the input or the set-up whose message names the cause and the fix: a ValueError
-    (checkpoints, batch geometry, resume), a diverged run, or the harness's own errors (the kit's
-    HarnessError family; recognised by name, so that train.py imports nothing more from prepare.py)."""
+    """An error whose message names the cause and the fix (HarnessError by name: no more imports from prepare)."""
     return isinstance(e, (ValueError, TrainingDiverged)) or any(c.__name__ == "HarnessError" for c in type(e).__mro__)
 
 

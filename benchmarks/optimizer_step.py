@@ -12,7 +12,6 @@ gradients (nothing overlaps it: there is no backward), the update and, sharded, 
 the weights; the replicated optimizer at the same N is the baseline. State is the optimizer's
 tensors (momentum, second moments, step counts) on each rank; buffers are its communication buffers."""
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -114,7 +113,8 @@ def shard_worker(recipe: T.Recipe, options: T.RunOptions, steps: int, warmup: in
                     "buffer_bytes": sum(t.numel() * t.element_size() for b in optimizer.buckets
                                         for t in (b.flat, b.own) if t is not None)}
         rows[mode] = measured
-        optimizer.remove_hooks()
+        for hook in optimizer._hooks:  # the next mode's optimizer hooks the same model
+            hook.remove()
         model.zero_grad(set_to_none=True)
     # One file per rank, no collective after the optimizer's last: a gloo work whose tensors die in
     # its own thread aborts a process at exit (see DataParallelOptimizer._wait).
