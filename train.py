@@ -226,8 +226,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def autocast_context(device_type: str, dtype: torch.dtype | None):
-    """Matmuls in `dtype`; None: as they are (fp32), with no autocast at all (the meta device has none)."""
-    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    """Matmuls in `dtype`; None or fp32: as they are, with no autocast at all (the meta device has none, and a
+    CPU's autocast refuses fp32 with a warning)."""
+    return contextlib.nullcontext() if dtype in (None, torch.float32) else torch.autocast(device_type, dtype=dtype)
 
 
 def uses_flex_attention(device: torch.device) -> bool:
