@@ -876,7 +876,8 @@ class Run:
         summary = []
         if result is not None:
             summary += [("val_bpb", f"{result['val_bpb']:.6f}"), ("eval_tokens", result["tokens"]),
-                        ("eval_seconds", f"{result['eval_seconds']:.1f}")]
+                        ("eval_seconds", f"{result['eval_seconds']:.1f}"), ("val_bpb_is", "an estimate on eval_tokens "
+                        f"in this process; the score: python prepare.py eval-public --checkpoint {checkpoint}")]
         # Where the organisers' summary names a figure differently (their job runners parse the _est), both names.
         charged, startup = f"{final['charged_seconds']:.1f}", f"{final['startup_allowance_seconds']:.1f}"
         summary += [

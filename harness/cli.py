@@ -83,6 +83,15 @@ def official_eval_reasons(seq_len: int, max_tokens: int) -> list[str]:
     return reasons
 
 
+def unofficial_in_plain_words(reasons: list[str]) -> str:
+    """One line a newcomer can read: what official: False means here, and how a run becomes official."""
+    text = "the same computation as the official one, under conditions the organisers' scorer does not accept"
+    if any("the worker can read" in r for r in reasons):
+        text += ("; the scored text (or what it was built from) is readable by any process here, as the stdlib "
+                 "demo text is Python's own library: a ClimbMix score (prepare.py setup) can be official")
+    return text + ". It compares your runs with each other, not with the leaderboard."
+
+
 def cmd_eval(args) -> int:
     ddp, rank, local_rank, world_size = get_dist_info()
     if ddp:
@@ -130,6 +139,8 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     print("---")
     print(f"val_bpb:                 {result['val_bpb']:.6f}")
     print(f"official:                {not reasons}{'  (' + '; '.join(reasons) + ')' if reasons else ''}")
+    if reasons:
+        print(f"official_means:          {unofficial_in_plain_words(reasons)}")
     print(f"eval_tokens:             {result['tokens']}")
     print(f"eval_bytes:              {result['total_bytes']}")
     print(f"eval_rows:               {result['rows']}")

@@ -119,3 +119,12 @@ def test_more_ranks_than_rows_is_one_clear_error_and_leaves_nothing(two_ranks):
     assert result.returncode != 0 and "1 rows for 2 ranks" in result.stderr
     assert "Traceback" not in result.stderr.split("error:")[0] and "val_bpb" not in result.stdout
     assert [p.name for p in (folder / "eval_cli_tmp").iterdir() if p.name.startswith("frontier-")] == []
+
+
+def test_an_unofficial_result_says_in_plain_words_what_that_means():
+    from harness.cli import unofficial_in_plain_words
+    readable = unofficial_in_plain_words(["the worker can read /usr/lib/python3.11 (scored data, or what it was "
+                                          "built from, under a folder the interpreter or the system needs)"])
+    assert "Python's own library" in readable and "ClimbMix" in readable and "not with the leaderboard" in readable
+    other = unofficial_in_plain_words(["--max-tokens 8192 is not the official count 20971520"])
+    assert "ClimbMix" not in other and other.startswith("the same computation as the official one")
