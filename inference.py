@@ -264,3 +264,11 @@ class Scorer:
 
 def load_scorer(checkpoint_path: str, device: torch.device) -> Scorer:
     return Scorer(load_for_eval(checkpoint_path, device), torch.device(device))
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args()
+    parser.exit(2, "inference.py has no command line of its own: the CORE harness loads it, as in `python prepare.py "
+                   "eval-core --inference-py inference.py --checkpoint out/final.pt` (--help: what it holds)\n")

@@ -96,6 +96,27 @@ class Recipe:
     seed: int = 42
     dtype: str = "auto"  # compute dtype of matmuls: auto (bf16 where the device is fast at it), bf16, fp32
 
+    def __post_init__(self):
+        check_values(self, RECIPE_RULES)
+
+
+def check_values(settings, rules: dict) -> None:
+    """A value no run can use is one clear error naming its flag, before any data, device or process group."""
+    for name, (ok, what) in rules.items():
+        if not ok(getattr(settings, name)):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(settings, name)}: must be {what}")
+
+
+AT_LEAST_1, NON_NEGATIVE = (lambda v: v >= 1, "at least 1"), (lambda v: v >= 0, "0 or more")
+RECIPE_RULES = {**dict.fromkeys("depth aspect_ratio head_dim seq_len total_batch_size device_batch_size "
+                                "muon_ns_steps".split(), AT_LEAST_1),
+                **dict.fromkeys("embedding_lr unembedding_lr matrix_lr scalar_lr weight_decay max_steps".split(),
+                                NON_NEGATIVE),
+                **dict.fromkeys("warmup_ratio warmdown_ratio final_lr_frac muon_momentum_warmup_ratio adam_beta1 "
+                                "adam_beta2 muon_momentum_start muon_momentum_end muon_beta2".split(),
+                                (lambda v: 0 <= v <= 1, "between 0 and 1")),
+                "time_budget": (lambda v: v > 0, "a positive number of seconds")}
+
 
 # -----------------------------------------------------------------------------------------------
 # Model: GPT with untied embedding/head, RMSNorm, rotary embeddings, QK-norm, ReLU^2, softcap
@@ -142,8 +163,10 @@ class GPTConfig(Architecture):
     n_embd: int = 640
 
     def __post_init__(self):
+        check_values(self, dict.fromkeys(("logit_softcap", "rope_base"), (lambda v: v > 0, "positive")))
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
+            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size "
+                             "(an even --head-dim)")
         self.window_pattern = self.window_pattern.upper()
         if "S" in self.window_pattern:
             self.short_window = self.short_window or max(1, self.sequence_len // 4)
@@ -1747,7 +1770,8 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path} is not a checkpoint that loads safely ({type(e).__name__}: {e})")
+        raise ValueError(f"{path} is not a checkpoint that loads safely: torch.load(weights_only=True) refused it "
+                         f"({type(e).__name__}); a checkpoint of train.py holds tensors and plain data only") from None
     if not isinstance(payload, dict):
         raise ValueError(f"{path} holds a {type(payload).__name__}, not a checkpoint dict")
     found = payload.get("format")
@@ -1852,6 +1876,10 @@ class RunOptions:
     peak_tflops: float = 0.0  # the peak TFLOP/s per rank that MFU divides by (0: the datasheet's, or measured)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
+
+    def __post_init__(self):
+        check_values(self, {**dict.fromkeys("eval_tokens save_every peak_tflops".split(), NON_NEGATIVE),
+                            "log_every": AT_LEAST_1})
 
 
 # The organisers' spellings of three flags, and the variables that set a field (two set must agree): theirs, and

@@ -39,6 +39,8 @@ def cmd_setup(args) -> int:
     name = dataset_name(source)
     if args.num_train_shards is not None and source != "climbmix":
         raise HarnessError("--num-train-shards applies to --source climbmix only")
+    if source.startswith("dir:") and not Path(source[4:]).expanduser().is_dir():
+        raise HarnessError(f"--source {source}: no such folder (give a folder of .parquet, .jsonl or .txt files)")
     dataset_dir = Path(args.data_dir).expanduser().resolve() if args.data_dir else cache_root() / name
     dataset_dir.mkdir(parents=True, exist_ok=True)
     for stale in dataset_dir.glob("*.tmp"):  # what an interrupted run left
@@ -241,7 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):  # argparse would ask for a command
+        parser.error(f"unrecognized argument {argv[0]}: the command comes first (setup, eval-public, eval, "
+                     "eval-core), e.g. `python prepare.py setup --help`")
+    args = parser.parse_args(argv)
     if threading.current_thread() is threading.main_thread():  # torchrun stops a rank with SIGTERM: clean up
         signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     if args.command != "setup":

@@ -34,8 +34,16 @@ def _row_groups_for_split(split: str, start: int, step: int, shard_ids=None) -> 
         if missing:
             raise DataError(f"split {split!r} has no shards {missing} (it has {sorted(by_id)})")
         shards = [by_id[i] for i in shard_ids]
-    pairs = [(str(p), rg) for p in shards for rg in range(pq.ParquetFile(p).metadata.num_row_groups)]
+    pairs = [(str(p), rg) for p in shards for rg in range(_row_group_count(p))]
     return pairs[start::step]
+
+
+def _row_group_count(path) -> int:
+    try:
+        return pq.ParquetFile(path).metadata.num_row_groups
+    except Exception as e:  # a truncated or damaged shard: name it, and the fix
+        raise DataError(f"{path} is not a readable parquet shard ({type(e).__name__}: {str(e).splitlines()[0]}). "
+                        "Run `python prepare.py setup` with the same source again: it repairs what is broken") from None
 
 
 def _row_group_texts(path: str, row_group: int) -> list[str]:
@@ -45,11 +53,16 @@ def _row_group_texts(path: str, row_group: int) -> list[str]:
 def _document_batches(split: str, start: int, step: int, tokenizer_batch_size: int = 128, shard_ids=None,
                       seed: int = 0):
     """Endless iterator of (list_of_document_texts, epoch) over this rank's row groups. Epoch 1
-    reads them in order; later epochs in an order shuffled by (seed, epoch)."""
+    reads them in order; later epochs in an order shuffled by (seed, epoch). The shards are opened now:
+    a missing or damaged one is an error at the call, not at the first batch."""
     pairs = _row_groups_for_split(split, start, step, shard_ids)
     if not pairs:
         raise DataError(f"split {split!r} has too few row groups for {step} ranks (rank slot {start} got none); "
                         "prepare more data (more shards) or run fewer processes")
+    return _documents_of(pairs, tokenizer_batch_size, seed)
+
+
+def _documents_of(pairs: list, tokenizer_batch_size: int, seed: int):
     epoch = 1
     while True:
         order = list(pairs)
@@ -147,7 +160,8 @@ def make_dataloader(tokenizer: Tokenizer, batch_size: int, seq_len: int, split: 
     size. A background thread reads, tokenizes and packs ahead of the training step. `state` holds
     `epoch` (of the newest documents used) and `batches` (yielded so far, counting skipped ones).
     start_batch=N resumes a run: the first N batches are produced and dropped, so batch N+1 is
-    exactly the one an uninterrupted run would see next."""
+    exactly the one an uninterrupted run would see next. The arguments and the shards are checked at the call,
+    not at the first batch."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
     if start_batch < 0:
@@ -157,6 +171,10 @@ def make_dataloader(tokenizer: Tokenizer, batch_size: int, seq_len: int, split: 
     doc_batches = _document_batches(split, rank, world_size, tokenizer_batch_size, shard_ids, seed)
     rows = pack_rows(tokenized_documents(doc_batches, tokenizer, tokenizer_threads), seq_len + 1, buffer_size)
     batches = itertools.islice(_batched(rows, batch_size), start_batch, None)
+    return _prefetched_on_device(batches, prefetch, split, device, start_batch)
+
+
+def _prefetched_on_device(batches, prefetch: int, split: str, device, start_batch: int):
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
     stop = threading.Event()
 
