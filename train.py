@@ -29,9 +29,11 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -78,22 +80,22 @@ class Recipe:
     unembedding_lr: float = 0.004  # AdamW, lm_head
     matrix_lr: float = 0.04  # Muon, every matrix in the blocks
     scalar_lr: float = 0.5  # AdamW, per-layer residual scalars
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
+    adam_beta1: float = 0.8  # AdamW's decay of its gradient average
+    adam_beta2: float = 0.95  # ... and of its squared-gradient average
     weight_decay: float = 0.2  # Muon's cautious weight decay, decayed linearly to 0 over the budget
     muon_momentum_start: float = 0.85  # Muon momentum ramps from start to end ...
-    muon_momentum_end: float = 0.95
+    muon_momentum_end: float = 0.95  # ...
     muon_momentum_warmup_ratio: float = 0.15  # ... over this fraction of the budget
     muon_ns_steps: int = 5  # Polar Express iterations
     muon_beta2: float = 0.95  # NorMuon's second-moment decay
     # Schedule, keyed to training progress (see training_progress: charged time, or steps when max_steps is set)
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.0  # the first part of the budget ramps the learning rate up from 0
     warmdown_ratio: float = 0.5  # the last half of the budget decays the learning rate linearly
     final_lr_frac: float = 0.0  # learning rate at the end, as a fraction of the peak
     # Length and numerics
     time_budget: float = float(TRAIN_TIME_BUDGET_SECONDS)  # seconds of charged time (see BudgetClock), save included
     max_steps: int = 0  # stop after this many steps, and schedule on steps instead of time (0: the budget decides)
-    seed: int = 42
+    seed: int = 42  # the weights' initialisation and the data's order after the first pass
     dtype: str = "auto"  # compute dtype of matmuls: auto (bf16 where the device is fast at it), bf16, fp32
 
     def __post_init__(self):
@@ -1869,7 +1871,7 @@ class RunOptions:
     nki_rmsnorm: bool = False  # RMSNorm as kernels/rmsnorm.py (neuron device only)
     nki_rope_qknorm: bool = False  # rotary + QK-norm fused, kernels/rope_qknorm.py (neuron device only)
     nki_softcap_ce: bool = False  # softcap + cross-entropy fused, kernels/softcap_ce.py (neuron device only)
-    out_dir: str = "out"
+    out_dir: str = "out"  # where final.pt (and state/, the snapshots) go
     save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none)
     resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
     log_every: int = 10  # print a progress line every this many steps
@@ -1938,19 +1940,43 @@ def recipe_settings(recipe: Recipe) -> dict:
     return {**{f.name: getattr(recipe, f.name) for f in kind_fields(Recipe)}, **asdict(recipe.architecture)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """--preset and a flag for every Recipe, Architecture and RunOptions field (and the official spellings)."""
-    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="settings for a machine or phase")
+def field_comments(kind) -> dict[str, str]:
+    """{field: the comment beside it in this file (continued on the lines below)}: each flag's --help."""
+    comments, name, above = {}, None, []
+    for line in inspect.getsource(kind).splitlines():
+        field_line = re.match(r"\s+(\w+): [^=]+=.*?(?:  # (.*))?$", line)
+        more = re.match(r"\s{5,}# (.*)$", line)  # a continuation sits under the comment
+        if field_line:  # its own comment, else the lines just above it
+            name, comments[field_line[1]], above = field_line[1], field_line[2] or " ".join(above), []
+        elif more and name:
+            comments[name] += " " + more[1]
+        else:
+            name, above = None, above + [line.strip()[2:]] if re.match(r"\s{4}# ", line) else []
+    return comments
+
+
+def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
+    """--preset and a flag for every Recipe, Architecture and RunOptions field (and the official spellings); the
+    help of each is its comment, with its default, or the preset's value."""
+    parser = argparse.ArgumentParser(usage="python train.py [--preset NAME] [--flag VALUE ...]", allow_abbrev=False,
+                                     description="Train the GPT of this file for the time budget. Each flag is a "
+                                     "field of Recipe, Architecture or RunOptions; `--preset NAME --help` shows "
+                                     "what a preset sets.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help=f"settings for a machine or phase: {', '.join(sorted(PRESETS))}")
+    titles = {Recipe: "hyperparameters (Recipe)", Architecture: "what the model is made of (Architecture)",
+              RunOptions: "how the run executes (RunOptions)"}
     for kind in SETTING_KINDS:
-        group = parser.add_argument_group(f"{kind.__name__} (see its comments in train.py)")
+        group, comments = parser.add_argument_group(titles[kind]), field_comments(kind)
         for f in kind_fields(kind):
             official = [OFFICIAL_FLAG_NAMES[f.name]] if f.name in OFFICIAL_FLAG_NAMES else []
-            environment = f"; environment: {' or '.join(ENVIRONMENT[f.name])}" if f.name in ENVIRONMENT else ""
+            environment = f"; or {' or '.join(ENVIRONMENT[f.name])}" if f.name in ENVIRONMENT else ""
+            value = PRESETS.get(preset, {}).get(f.name, f.default)
+            shown = f"{preset}: {value!r}" if f.name in PRESETS.get(preset, {}) else f"default {value!r}"
             parse = {"action": argparse.BooleanOptionalAction} if f.type in ("bool", bool) else \
-                {"type": {"int": int, "float": float, "str": str}[str(f.type)]}
+                {"type": {"int": int, "float": float, "str": str}[str(f.type)], "metavar": {"int": "N", "float": "X", "str": "TEXT"}[str(f.type)]}
             group.add_argument("--" + f.name.replace("_", "-"), *official, dest=f.name, default=None,
-                               help=f"default: {f.default!r}{environment}", **parse)
+                               help=f"{comments.get(f.name, '')} ({shown}{environment})", **parse)
     return parser
 
 
@@ -1978,7 +2004,9 @@ def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) ->
 
 def parse_command_line(argv=None) -> tuple[Recipe, RunOptions, list[str]]:
     """(recipe, run options, one note per environment variable used)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else None
+    parser = build_parser(preset)
     return settings_from(parser.parse_args(argv), parser)
 
 

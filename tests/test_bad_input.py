@@ -106,3 +106,18 @@ def test_prepare_names_an_unknown_flag_and_inference_explains_itself():
     assert helped.returncode == 0 and "CORE scorer" in helped.stdout
     bare = subprocess.run([sys.executable, "inference.py"], cwd=REPO, capture_output=True, text=True)
     assert bare.returncode == 2 and "prepare.py eval-core" in bare.stderr and "Traceback" not in bare.stderr
+
+
+def test_help_explains_every_flag_in_a_screen_or_two_and_shows_what_a_preset_sets(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit):
+        T.parse_command_line(["--help"])
+    plain = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        T.parse_command_line(["--preset", "cpu", "--help"])
+    cpu = capsys.readouterr().out
+    assert len(plain.splitlines()) <= 100
+    for kind in T.SETTING_KINDS:  # every field has its one-line meaning, from the comment beside it
+        comments = T.field_comments(kind)
+        assert all(comments.get(f.name, "").strip() for f in T.kind_fields(kind)), kind.__name__
+    assert "--depth N" in plain and "(default 10)" in plain and "(cpu: 3)" in cpu and "(cpu: 300.0" in cpu
