@@ -787,7 +787,7 @@ class Run:
         self.device, self.rank, self.world_size = device, rank, world_size
         self.geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, world_size)
         self.tokenizer = ensure_tokenizer()
-        self.state, self.step_times = RunState(), []
+        self.state, self.step_times, self.metrics = RunState(), [], []
         self.model = self.optimizer = self.clock = None
 
     @property
@@ -821,7 +821,10 @@ class Run:
         self.flops_per_token = model.flops_per_token()
         print0(f"device: {self.device} x {self.world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
                f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
-        print0(f"model: {asdict(model.config)}")
+        c = model.config
+        on = {k: getattr(c, k) for k, v in asdict(Architecture()).items() if getattr(c, k) != v}  # not the default
+        print0(f"model: {c.n_layer} layers of width {c.n_embd} ({c.n_head} heads of {c.n_embd // c.n_head}), context "
+               f"{c.sequence_len}, vocabulary {c.vocab_size}" + "".join(f", {k} {v!r}" for k, v in on.items()))
         print0(f"parameters: {model.num_params():,} | FLOPs per token: {self.flops_per_token:.4e}")
         if geometry.note:
             print0(f"batch geometry: {geometry.note}")
@@ -860,6 +863,8 @@ class Run:
             print(f"step {state.step:05d} ({100 * progress:4.1f}%) | loss: {smooth:.6f} | lrm: {lrm:.2f} | "
                   f"dt: {dt * 1000:.0f}ms | tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | "
                   f"epoch: {loader_state['epoch']} | remaining: {self.training_seconds - charged:.0f}s", flush=True)
+            self.metrics.append(dict(step=state.step, charged_seconds=round(charged, 3), loss=smooth, lrm=lrm, dt=dt,
+                                     tokens_per_second=tok_per_sec, mfu_percent=mfu, epoch=loader_state["epoch"]))
         state.step += 1
         if snapshot_due and not stop:
             t0 = clock_seconds()
@@ -925,6 +930,8 @@ class Run:
         print("---")
         for key, value in summary:
             print(f"{key + ':':<23}{value}")
+        write_run_folder(Path(self.options.out_dir), dict(summary), self.metrics, self.training_seconds,
+                         self.recipe.time_budget)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1738,6 +1745,80 @@ class BudgetClock:
 
 
 # -----------------------------------------------------------------------------------------------
+# The run folder: out_dir holds final.pt and what a person looks at, and never loses an earlier run
+# -----------------------------------------------------------------------------------------------
+RUN_FILES = ("final.pt", "log.txt", "summary.json", "metrics.jsonl", "loss.png")  # state/ stays for --resume
+
+
+def keep_previous_run(out_dir: Path) -> None:
+    """Move an earlier run's RUN_FILES into out_dir/run-<when it ended>, and say so."""
+    found = [out_dir / name for name in RUN_FILES if (out_dir / name).exists()]
+    if not found:
+        return
+    base = out_dir / time.strftime("run-%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in found)))
+    kept, k = base, 0
+    while kept.exists():  # two runs that ended in the same second
+        k += 1
+        kept = base.with_name(f"{base.name}-{k}")
+    kept.mkdir()
+    for p in found:
+        os.replace(p, kept / p.name)
+    print(f"out: the previous run's {', '.join(p.name for p in found)} moved to {kept}")
+
+
+class Tee:
+    """This process's stdout, also written to a log file."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, open(path, "a", buffering=1)
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def json_value(value):
+    """A summary value as JSON: a number or a boolean where it is one, else its text."""
+    if isinstance(value, bool) or str(value) in ("True", "False"):
+        return str(value) == "True"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+def write_run_folder(out_dir: Path, summary: dict, metrics: list[dict], training_seconds: float, budget: float):
+    """summary.json, metrics.jsonl and loss.png beside final.pt (after the checkpoint: the budget never pays)."""
+    summary = {key: json_value(value) for key, value in summary.items()}
+    write_atomically(out_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
+    write_atomically(out_dir / "metrics.jsonl", lambda tmp: tmp.write_text("".join(json.dumps(m) + "\n"
+                                                                                   for m in metrics)))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("loss.png: skipped (matplotlib is not installed here)")
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([m["charged_seconds"] for m in metrics], [m["loss"] for m in metrics], marker=".")
+        ax.axvline(training_seconds, color="gray", linestyle="--", label=f"stop for the save, {training_seconds:.0f}s")
+        ax.axvline(budget, color="red", linestyle=":", label=f"budget, {budget:.0f}s")
+        ax.set(xlabel="charged seconds", ylabel="training loss (smoothed)",
+               title=f"val_bpb estimate {summary.get('val_bpb')}")
+        ax.legend()
+        write_atomically(out_dir / "loss.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+        plt.close(fig)
+    print(f"run folder: {out_dir}/ ({', '.join(n for n in RUN_FILES if (out_dir / n).exists())})\n"
+          f"next: python prepare.py eval-public --checkpoint {out_dir / 'final.pt'}")
+
+
+# -----------------------------------------------------------------------------------------------
 # Checkpoint: model config as plain data + state dict + run metadata, written atomically
 # -----------------------------------------------------------------------------------------------
 # The organisers' keys (model_state, model_config, meta) plus our format tag, which their checkpoints lack.
@@ -1974,7 +2055,8 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
             value = PRESETS.get(preset, {}).get(f.name, f.default)
             shown = f"{preset}: {value!r}" if f.name in PRESETS.get(preset, {}) else f"default {value!r}"
             parse = {"action": argparse.BooleanOptionalAction} if f.type in ("bool", bool) else \
-                {"type": {"int": int, "float": float, "str": str}[str(f.type)], "metavar": {"int": "N", "float": "X", "str": "TEXT"}[str(f.type)]}
+                {"type": {"int": int, "float": float, "str": str}[str(f.type)],
+                 "metavar": {"int": "N", "float": "X", "str": "TEXT"}[str(f.type)]}
             group.add_argument("--" + f.name.replace("_", "-"), *official, dest=f.name, default=None,
                                help=f"{comments.get(f.name, '')} ({shown}{environment})", **parse)
     return parser
@@ -2032,10 +2114,18 @@ def main(argv=None) -> int:
     for note in notes:
         print0(f"environment: {note}")
     torch.manual_seed(recipe.seed)
+    stdout = sys.stdout
+    if rank == 0:  # the run's log beside its checkpoint, an earlier run's files kept
+        Path(options.out_dir).mkdir(parents=True, exist_ok=True)
+        keep_previous_run(Path(options.out_dir))
+        sys.stdout = Tee(stdout, Path(options.out_dir) / "log.txt")
     try:
         train(recipe, Run(recipe, options, profile, device, rank, world_size))
         return 0
     finally:
+        if sys.stdout is not stdout:
+            sys.stdout.file.close()
+            sys.stdout = stdout
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -5,7 +5,6 @@ output arrives on stderr, each line marked with the worker's name."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -173,9 +172,13 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     if result["kernels_sha256"]:
         print(f"kernels_sha256:          {result['kernels_sha256']}")
     print(f"tokenizer_sha256:        {tokenizer.sha256}")
-    if args.report:
-        atomic_write_json(Path(args.report), result)
-        print(f"report:                  {args.report}")
+    # beside the checkpoint by default, named by its hash: another checkpoint's report is never overwritten
+    report = Path(args.report or checkpoint.parent / f"{args.command}-{result['checkpoint_sha256'][:12]}.json")
+    try:
+        atomic_write_json(report, result)
+        print(f"report:                  {report}")
+    except OSError as e:
+        print(f"report:                  not written ({report}: {e.strerror})")
     return 0
 
 
@@ -222,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                          "unofficial)")
         p.add_argument("--max-tokens", type=int, default=EVAL_TOKENS, help="tokens to score (the official count "
                                                                            "is the default)")
-        p.add_argument("--report", default=None, help="also write the result as JSON here")
+        p.add_argument("--report", default=None, help="write the result as JSON here (default: beside the "
+                                                      "checkpoint, <command>-<its sha256>.json)")
         p.add_argument("--timeout", type=float, default=EVAL_TIMEOUT_SECONDS,
                        help=f"seconds for everything: the worker's start, the model's load, the forwards and the "
                             f"checks (default EVAL_TIMEOUT_SECONDS = {EVAL_TIMEOUT_SECONDS}); past it, no score")

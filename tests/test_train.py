@@ -139,7 +139,8 @@ def test_a_nan_loss_stops_cleanly_without_a_checkpoint(tmp_path, train_main, mon
     with pytest.raises(T.TrainingDiverged, match="training diverged at step 3: .* no checkpoint written"):
         train_main([*TINY, "--max-steps", "10", "--out-dir", str(tmp_path / "out")])
     assert T.is_input_error(T.TrainingDiverged())  # train.py's __main__ prints it as one line and exits 1
-    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    assert not (tmp_path / "out" / "final.pt").exists()
+    assert "training diverged" not in (tmp_path / "out" / "log.txt").read_text()  # the error is stderr's, once
 
 
 @pytest.mark.slow
@@ -245,3 +246,33 @@ def test_schedules():
     assert T.lr_multiplier(0.75, recipe) == pytest.approx(0.55)
     assert T.lr_multiplier(1.0, recipe) == pytest.approx(0.1)
     assert T.muon_momentum(0.0, recipe) == 0.85 and T.muon_momentum(1.0, recipe) == 0.95
+
+
+def test_a_run_leaves_a_folder_to_look_at_and_keeps_the_previous_run(tmp_path, train_main, capsys):
+    """log.txt, summary.json (the summary as JSON), metrics.jsonl and loss.png beside final.pt; a second run
+    moves the first one's files into a dated folder instead of overwriting them."""
+    import json
+    from PIL import Image
+    out = tmp_path / "out"
+    argv = [*TINY, "--max-steps", "8", "--log-every", "2", "--eval-tokens", "2048", "--out-dir", str(out)]
+    train_main(argv)
+    first = (out / "final.pt").read_bytes()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_steps"] == 8 and summary["over_budget"] is False and 0 < summary["val_bpb"] < 20
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics][:3] == [0, 1, 2] and metrics[-1]["step"] == 7
+    assert "step 00007" in (out / "log.txt").read_text() and "num_steps:" in (out / "log.txt").read_text()
+    with Image.open(out / "loss.png") as picture:
+        assert picture.format == "PNG" and picture.size[0] > 300 and len(picture.getcolors(maxcolors=2**20)) > 10
+    assert "next: python prepare.py eval-public --checkpoint" in capsys.readouterr().out
+    train_main(argv)
+    (kept,) = [p for p in out.iterdir() if p.name.startswith("run-")]
+    assert (kept / "final.pt").read_bytes() == first and {p.name for p in kept.iterdir()} == set(T.RUN_FILES)
+    assert (out / "final.pt").exists() and (out / "loss.png").exists()
+
+
+def test_the_run_folder_skips_the_picture_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    T.write_run_folder(tmp_path, {"val_bpb": "1.5"}, [{"charged_seconds": 1.0, "loss": 5.0}], 10.0, 12.0)
+    assert "loss.png: skipped (matplotlib is not installed here)" in capsys.readouterr().out
+    assert (tmp_path / "summary.json").exists() and not (tmp_path / "loss.png").exists()
