@@ -101,9 +101,8 @@ def test_bad_environment_value_is_a_clear_error(monkeypatch, capsys, var, value)
 def test_help_shows_both_spellings_once(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     text = T.build_parser().format_help()
-    for ours, theirs in (("--max-steps", "--num-steps"), ("--time-budget", "--max-train-seconds"),
-                         ("--device", "--device-type")):
-        metavar = ours[2:].upper().replace("-", "_")
+    for ours, theirs, metavar in (("--max-steps", "--num-steps", "N"), ("--time-budget", "--max-train-seconds", "X"),
+                                  ("--device", "--device-type", "TEXT")):
         assert text.count(f"{ours} {metavar}, {theirs} {metavar}") == 1, ours
         assert text.count(theirs + " ") == 1, theirs
     for var in OFFICIAL_ENV:
