@@ -3,10 +3,9 @@ The baseline recipe: a nanochat-style GPT trained with Muon + AdamW for a fixed 
 This is the one file a participant edits. The recipe comes first, top to bottom: its hyperparameters,
 the model (its architecture, declared once) and its loss, the optimizer's update rule and parameter
 table, the schedules, the training step and loop, load_for_eval. Under the banner "Machinery" follows
-what a run needs and a recipe rarely touches: the run's bookkeeping, devices, kernels (the inline NKI
-kernel, and the --nki-* flags that bind kernels in place of the model's ops), data-parallel gradients
-and ZeRO-1, batch geometry, the budget clock, checkpoint and resume,
-the command line, main().
+what a run needs and a recipe rarely touches: the run's bookkeeping, devices, the NKI kernels (and the
+--nki-* flags that bind them in place of the model's ops), data parallelism and ZeRO-1, batch geometry,
+the budget clock, checkpoint and resume, the command line, main().
 
     NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks
@@ -829,8 +828,8 @@ class Run:
         if geometry.note:
             print0(f"batch geometry: {geometry.note}")
         print0(f"batch: {recipe.total_batch_size:,} tokens = {geometry.device_batch_size} x {recipe.seq_len} x "
-               f"{self.world_size} ranks x {geometry.grad_accum_steps} accumulation | budget {recipe.time_budget:.0f}s, "
-               f"of which {self.reserve:.0f}s kept for the save | schedules on "
+               f"{self.world_size} ranks x {geometry.grad_accum_steps} accumulation | budget {recipe.time_budget:.0f}s"
+               f", of which {self.reserve:.0f}s kept for the save | schedules on "
                f"{'steps' if recipe.max_steps > 0 else 'charged time'}")
         if options.resume:
             print0(f"resumed: {options.resume} at step {self.step}, {self.state.charged_seconds:.1f}s charged so far")
@@ -1366,6 +1365,16 @@ class Bucket:
     def padding(self) -> int:
         return self.parts * self.chunk - sum(p.numel() for p in self.params)
 
+    def region(self, p: torch.Tensor) -> torch.Tensor:
+        """p's place in flat as parts x chunk: one row of its owner's chunk, or its slice in every chunk."""
+        slot = self.slots[p]
+        rows = slice(None) if slot.owner is None else slice(slot.owner, slot.owner + 1)
+        return self.flat.view(self.parts, self.chunk)[rows, slot.offset:slot.offset + slot.size]
+
+    def values(self, p: torch.Tensor) -> torch.Tensor:
+        """What flat holds of p, in p's shape (a sliced p's padding dropped)."""
+        return self.region(p).reshape(-1)[:p.numel()].view_as(p)
+
 
 def layout_bucket(params: list[torch.Tensor], whole: set, parts: int, load: list[int]) -> Bucket:
     """`parts` equal chunks: each matrix in `whole`, largest first, whole to the chunk with the least data (ties:
@@ -1439,10 +1448,11 @@ class DataParallelOptimizer:
             b.flat = torch.zeros(b.parts * b.chunk, device=params[0].device)
             if self.shard:
                 b.own = torch.zeros(b.chunk, device=params[0].device)
-        # What this rank updates: sharded, its matrices and a slice tensor for each sliced parameter.
-        self._slices = {p: torch.zeros(self._slot[p][1].size, device=p.device) for p in params
-                        if self.shard and self._slot[p][1].owner is None}
-        mine = [dict(g, params=[self._slices.get(p, p) for p in g["params"] if self._updates(p)]) for g in param_groups]
+        self._mine = {p: p for p in params}  # parameter -> what this rank updates of it
+        if self.shard:  # the matrices it owns, and a tensor of its slice of each sliced parameter
+            self._mine = {p: p if slot.owner == rank else torch.zeros(slot.size, device=p.device)
+                          for p, (_, slot) in self._slot.items() if slot.owner in (None, rank)}
+        mine = [dict(g, params=[self._mine[p] for p in g["params"] if p in self._mine]) for g in param_groups]
         self.optimizer = MuonAdamW(mine, compile_backend)
         self._backwards = collections.Counter()  # backward passes that reached each parameter since the last step
         self._packed, self._launched, self._grads_ready = set(), 0, False
@@ -1470,23 +1480,18 @@ class DataParallelOptimizer:
         """What a sharded state depends on: this rank, the world size, and which matrices it owns."""
         if not self.shard:
             return {"sharded": False}
-        owned = [[i for i, p in enumerate(ps) if self._slot[p][1].owner == self.rank] for ps in self._matrices]
+        owned = [[i for i, p in enumerate(ps) if p in self._mine] for ps in self._matrices]
         return {"sharded": True, "rank": self.rank, "world_size": self.world_size, "owned_matrices": owned}
-
-    def _updates(self, p: torch.Tensor) -> bool:
-        """Whether this rank updates (some of) p: all of it unsharded; sharded, a slice or an owned matrix."""
-        return not self.shard or self._slot[p][1].owner in (None, self.rank)
 
     @torch.no_grad()
     def step(self) -> None:
         self.wait_for_gradients()
         if self.shard:
-            for p in self._slot:
-                if p in self._slices:  # this rank's slice: the current values, the averaged gradient
-                    self._slices[p].copy_(self._own_slice(p))
-                    self._slices[p].grad = self._own_part(p)
-                elif self._updates(p):
-                    p.grad = self._own_part(p)
+            for p, mine in self._mine.items():
+                if mine is not p:  # this rank's slice: p's current values there, zero-padded
+                    values = p.view(-1)[self.rank * mine.numel():(self.rank + 1) * mine.numel()]
+                    mine.copy_(F.pad(values, (0, mine.numel() - values.numel())))
+                mine.grad = self._own_part(p)
         self.optimizer.step()
         self._finish_step()
 
@@ -1501,33 +1506,24 @@ class DataParallelOptimizer:
         for bucket in self.buckets:
             if self.shard:
                 bucket.own.div_(self.world_size)
-                continue
-            bucket.flat.div_(self.world_size)
-            for p in bucket.params:
-                slot = bucket.slots[p]
-                average = bucket.flat[slot.offset:slot.offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = average.clone()
-                else:
-                    p.grad.copy_(average)
+            else:
+                bucket.flat.div_(self.world_size)
+                for p in bucket.params:
+                    p.grad = bucket.values(p).clone()
         self._grads_ready = True
 
     def _finish_step(self) -> None:
         """Sharded: this rank's new values into its chunks, all-gathered into every rank's parameters."""
         if self.shard:
-            for p in filter(self._updates, self._slot):
+            for p, mine in self._mine.items():
                 part = self._own_part(p)
-                part.copy_(self._slices.get(p, p).view_as(part))
+                part.copy_(mine.view_as(part))
             for bucket in self.buckets:
                 bucket.work = _all_gather(bucket.flat, bucket.own, async_op=True)
             self._wait()
             for bucket in self.buckets:
-                flat = bucket.flat.view(bucket.parts, bucket.chunk)
-                for p, slot in bucket.slots.items():
-                    if slot.owner is not None:
-                        p.copy_(flat[slot.owner, slot.offset:slot.offset + p.numel()].view_as(p))
-                    else:
-                        p.view(-1).copy_(flat[:, slot.offset:slot.offset + slot.size].reshape(-1)[:p.numel()])
+                for p in bucket.params:
+                    p.copy_(bucket.values(p))
         self._packed.clear()
         self._backwards.clear()
         self._launched, self._grads_ready = 0, False
@@ -1545,13 +1541,11 @@ class DataParallelOptimizer:
 
     def _pack(self, p: torch.Tensor) -> None:
         bucket, slot = self._slot[p]
-        flat = bucket.flat.view(bucket.parts, bucket.chunk)
-        grad = p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=flat.device)
-        if slot.owner is not None:
-            flat[slot.owner, slot.offset:slot.offset + p.numel()].copy_(grad)
-        else:
-            flat[:, slot.offset:slot.offset + slot.size].copy_(
-                F.pad(grad, (0, bucket.parts * slot.size - p.numel())).view(bucket.parts, slot.size))
+        region = bucket.region(p)
+        grad = p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=region.device)
+        if slot.owner is None:  # sliced: zero-padded to a whole slice in every chunk
+            grad = F.pad(grad, (0, region.numel() - p.numel()))
+        region.copy_(grad.view_as(region))
         self._packed.add(p)
 
     def _launch_full_buckets(self) -> None:
@@ -1574,14 +1568,8 @@ class DataParallelOptimizer:
     def _own_part(self, p: torch.Tensor) -> torch.Tensor:
         """Sharded: p's place in this rank's chunk (all of p, or its slice): its gradient, then its new values."""
         bucket, slot = self._slot[p]
-        part = bucket.own[slot.offset:slot.offset + (p.numel() if slot.owner is not None else slot.size)]
+        part = bucket.own[slot.offset:slot.offset + slot.size]
         return part.view_as(p) if slot.owner is not None else part
-
-    def _own_slice(self, p: torch.Tensor) -> torch.Tensor:
-        """The current values of this rank's slice of p, zero-padded to the slice size."""
-        size = self._slot[p][1].size
-        mine = p.view(-1)[self.rank * size:(self.rank + 1) * size]
-        return F.pad(mine, (0, size - mine.numel()))
 
 
 def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
