@@ -303,6 +303,17 @@ class Check:
         print(f"[gpu_check] {name}: exit {rc}", flush=True)
         return rc, text
 
+    def run_contained(self, name: str, cmd: list[str]) -> list[str] | None:
+        """A harness command with its sandbox; where that fails on this machine, again without it (not official).
+        Returns the sandboxed attempt's error lines, or None where it succeeded."""
+        rc, text = self.run(name, cmd, self.remaining())
+        if rc == 0:
+            return None
+        rc, retry = self.run(f"{name}-nosandbox", cmd + ["--no-sandbox"], self.remaining())
+        if rc != 0:
+            raise StageFailed(rc, retry)
+        return error_lines(text)
+
     def in_process(self, name: str) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "stage", name, "--device", self.device]
         rc, text = self.run(name, cmd + (["--rehearsal"] if self.rehearsal else []), self.remaining())
@@ -388,13 +399,7 @@ class Check:
                str(checkpoint), "--report", str(report)]
         # the device named: a worker that cannot reach it fails, where "auto" would score on the CPU
         cmd += ["--max-tokens", "8192", "--device", "cpu"] if self.rehearsal else ["--device", "cuda"]
-        rc, text = self.run(f"{name}-eval", cmd, self.remaining())
-        first_error = None
-        if rc != 0:
-            first_error = error_lines(text)
-            rc, text = self.run(f"{name}-eval-nosandbox", cmd + ["--no-sandbox"], self.remaining())
-            if rc != 0:
-                raise StageFailed(rc, text)
+        first_error = self.run_contained(f"{name}-eval", cmd)
         r = json.loads(report.read_text())
         keep = ("val_bpb", "official", "not_official_because", "tokens", "total_bytes", "eval_seconds",
                 "causality_passed", "causality_max_abs_diff", "batch_size_max_abs_diff", "replay_max_abs_diff",
@@ -417,13 +422,7 @@ class Check:
             cmd += ["--device", "cpu", "--tasks", "hellaswag_zeroshot,jeopardy,winograd"]
         else:
             cmd += ["--device", "cuda"]
-        rc, text = self.run("core", cmd, self.remaining())
-        first_error = None
-        if rc != 0:
-            first_error = error_lines(text)
-            rc, text = self.run("core-nosandbox", cmd + ["--no-sandbox"], self.remaining())
-            if rc != 0:
-                raise StageFailed(rc, text)
+        first_error = self.run_contained("core", cmd)
         r = json.loads(report.read_text())
         from harness.checks import TOLERANCE_NATS
         from harness.core import verify

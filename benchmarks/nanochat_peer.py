@@ -45,7 +45,6 @@ Decisions (see also PATCHES and SHIMS):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -151,14 +150,6 @@ def shim_source(name: str) -> str:
 
 def fail(message: str):
     raise PeerError(message)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def dir_size(path: Path) -> int:
@@ -372,6 +363,7 @@ def cmd_prepare(args) -> None:
     shutil.rmtree(work / "nanochat" / "__pycache__", ignore_errors=True)
     for cache in (work / "nanochat").rglob("__pycache__"):
         shutil.rmtree(cache, ignore_errors=True)
+    from harness.common import sha256_file
     marker = {"nanochat_commit": commit, "snapshot": snapshot.name, "snapshot_sha256": sha256_file(snapshot),
               "patched_file": PATCHED_FILE, "patches": patches, "shims": {k: v[0] for k, v in SHIMS.items()},
               "tokenizer": tokenizer, "tokenizer_check": check, "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
