@@ -2012,7 +2012,11 @@ def recipe_settings(recipe: Recipe) -> dict:
 def field_comments(kind) -> dict[str, str]:
     """{field: the comment beside it in this file (continued on the lines below)}: each flag's --help."""
     comments, name, above = {}, None, []
-    for line in inspect.getsource(kind).splitlines():
+    try:
+        source = inspect.getsource(kind)
+    except OSError:  # no source beside the code: flags without their comments
+        return {}
+    for line in source.splitlines():
         field_line = re.match(r"\s+(\w+): [^=]+=.*?(?:  # (.*))?$", line)
         more = re.match(r"\s{5,}# (.*)$", line)  # a continuation sits under the comment
         if field_line:  # its own comment, else the lines just above it

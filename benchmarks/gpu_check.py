@@ -409,10 +409,14 @@ class Check:
             found["sandboxed_attempt_failed"] = first_error
         return found
 
-    def core(self) -> dict:
+    def d10_checkpoint(self) -> Path:
         checkpoint = self.work / "d10" / "final.pt"
         if not checkpoint.is_file():
             raise StageFailed(None, f"no d10 checkpoint at {checkpoint} (the d10 stage did not finish)")
+        return checkpoint
+
+    def core(self) -> dict:
+        checkpoint = self.d10_checkpoint()
         examples = 12 if self.rehearsal else BUNDLE_EXAMPLES
         bundle = write_text_bundle(self.work / "data", self.work / "bundle", examples)
         report = self.work / "d10" / "core.json"
@@ -442,9 +446,7 @@ class Check:
         return result
 
     def tolerances(self) -> dict:
-        checkpoint = self.work / "d10" / "final.pt"
-        if not checkpoint.is_file():
-            raise StageFailed(None, f"no d10 checkpoint at {checkpoint} (the d10 stage did not finish)")
+        checkpoint = self.d10_checkpoint()
         small = ["--secrets", "1", "--examples", "1", "--bias-runs", "20", "--max-tokens", "2048"]
         cmd = [sys.executable, "benchmarks/check_tolerances.py", "--checkpoint", str(checkpoint), "--dtypes", "bf16",
                "--device", self.device, *(small if self.rehearsal else ["--secrets", "3", "--examples", "4"])]
