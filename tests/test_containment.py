@@ -1185,11 +1185,19 @@ def test_what_a_worker_reads_leaves_nothing_in_the_page_cache_for_the_next(tmp_p
     else:  # not root: the run says it is not official, and why
         assert "the kernel's caches could not be dropped" in lines["official"], lines
     assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
-    control, control_lines = evaluate(cheat, checkpoint, text_dataset,
-                                      env={**page_board(tmp_path / "control"), "FRONTIER_KEEP_KERNEL_CACHES": "1"})
-    assert control.returncode == 0, control.stderr[-3000:]
-    (first, sent), (second, got) = board_lines(control.stderr)[0]["pages"]
-    assert (first, second) == ("first", "second") and got == sent, (sent, got)
+    # The control may be hit by a drop of another test's evaluation, running at the same time on the
+    # other test worker (the caches are the machine's): a lost control is tried again, up to 3 times.
+    tries = []
+    for attempt in range(3):
+        control, control_lines = evaluate(cheat, checkpoint, text_dataset,
+                                          env={**page_board(tmp_path / f"control{attempt}"),
+                                               "FRONTIER_KEEP_KERNEL_CACHES": "1"})
+        assert control.returncode == 0, control.stderr[-3000:]
+        (first, sent), (second, got) = board_lines(control.stderr)[0]["pages"]
+        tries.append((first, sent, second, got))
+        if (first, second) == ("first", "second") and got == sent:
+            break
+    assert (first, second) == ("first", "second") and got == sent, tries
     assert "kept between the workers (FRONTIER_KEEP_KERNEL_CACHES)" in control_lines["official"], control_lines
 
 
