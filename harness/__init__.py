@@ -20,6 +20,7 @@ participant code there may import any of it: that copy is trusted by nobody.)
     worker.wire          both     the messages between harness and worker; the logit dtypes and logits_array
     worker.sandbox       both     the worker's OS sandbox: the harness's rules, applied in the worker
     worker.limits        both     what a worker may consume (its caps, the watchdog), its rlimits; removing its folder
+    worker.kernel_caps   trusted  the caps the kernel enforces: a cgroup (memory, processes) and a tmpfs per worker
     worker.access_times  trusted  reading ahead what a worker's reads would mark (access times), where no noatime
     worker.harness_side  trusted  the harness's end of a worker: Worker, ModelForward, score_sequences
     worker.worker_side   worker   the worker process (`python -m harness.worker.worker_side FD`)

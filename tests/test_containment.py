@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -366,8 +368,11 @@ def test_files_swapped_after_loading_change_nothing(tmp_path, checkpoint, text_d
     t0 = time.time()
     result, lines = evaluate(cheat, str(ckpt), text_dataset)
     assert result.returncode == 0, result.stderr[-3000:]
-    for what in ("TRAIN_PY", "CHECKPOINT", "FIFO"):
+    for what in ("TRAIN_PY", "CHECKPOINT"):
         assert f"[worker] SWAP {what} PermissionError" in result.stderr, result.stderr[-2000:]
+    # a private folder of its own filesystem (the kernel's disk cap) makes the rename EXDEV before Landlock says no
+    assert re.search(r"\[worker\] SWAP FIFO (PermissionError|OSError)", result.stderr), result.stderr[-2000:]
+    assert "SWAPPED" not in result.stderr
     assert lines["train_py_sha256"] == before["train_py"] == sha256(cheat)
     assert lines["checkpoint_sha256"] == before["checkpoint"] == sha256(ckpt)
     assert lines["val_bpb"] == honest_runs["public"]["val_bpb"] and time.time() - t0 < 120
@@ -842,6 +847,7 @@ def test_whatever_a_worker_leaves_is_removed(tmp_path, checkpoint, text_dataset,
 CONSUME = '''
 import mmap
 import os
+import socket
 import sys
 import threading
 import time
@@ -883,6 +889,54 @@ def consume():
         fd = os.memfd_create("held")
         for _ in range(4096 // 16):
             os.write(fd, chunk)
+    elif HOW == "passed_descriptors":  # memory files handed to a second process of its own, never received
+        ours, theirs = socket.socketpair()
+        if os.fork() == 0:
+            time.sleep(3600)
+            os._exit(0)
+        for _ in range(2048 // 16):
+            fd = os.memfd_create("passed")
+            os.write(fd, chunk)
+            socket.send_fds(ours, [b"x"], [fd])
+            os.close(fd)
+        theirs.close()
+    elif HOW == "page_tables":  # the zero page read every 2 MiB of 1 TiB: no resident memory, 2 GiB of page tables
+        mapped = mmap.mmap(-1, 1 << 40, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, prot=mmap.PROT_READ)
+        HELD.append(sum(mapped[offset] for offset in range(0, len(mapped), 2 * MIB)))
+    elif HOW == "socket_buffers":  # data queued in socket pairs nobody reads: kernel memory
+        for _ in range(4000):
+            ours, theirs = socket.socketpair()
+            ours.setblocking(False)
+            try:
+                while True:
+                    ours.send(chunk[:65536])
+            except BlockingIOError:
+                HELD.append((ours, theirs))
+    elif HOW in ("folder_churn", "deep_descriptors"):  # first blind or stall the watchdog, then flood
+        if HOW == "folder_churn":
+            def churn():
+                for i in range(10**9):
+                    path = os.path.join(os.environ["HOME"], f"churn{i % 7}", "inner")
+                    os.makedirs(path, exist_ok=True)
+                    os.rmdir(path)
+            threading.Thread(target=churn, daemon=True).start()
+            time.sleep(8)
+        else:  # a file 1,900 folders deep, held up to the descriptor limit by it and 20 children
+            deep = os.environ["HOME"]
+            for _ in range(1900):
+                os.mkdir(os.path.join(deep, "d"))
+                deep = os.path.join(deep, "d")
+            fd = os.open(os.path.join(deep, "f"), os.O_CREAT | os.O_WRONLY)
+            try:
+                while True:
+                    os.dup(fd)
+            except OSError:
+                pass
+            for _ in range(20):
+                if os.fork() == 0:
+                    time.sleep(3600)
+                    os._exit(0)
+        held = [bytearray(chunk) for _ in range(2048 // 16)]
     print("CONSUMED", HOW, file=sys.stderr, flush=True)
     time.sleep(30)  # what it consumed stays consumed
 
@@ -893,13 +947,56 @@ consume()
 class Cheat(Model):
     pass
 '''
-CAPS = {"disk": ("FRONTIER_WORKER_DISK_MB", "64", "into its private folder, up to its cap of 64 MiB"),
-        "deleted_files": ("FRONTIER_WORKER_DISK_MB", "64", "into its private folder, up to its cap of 64 MiB"),
-        "processes": ("FRONTIER_WORKER_TASKS", "64", "processes and threads, more than its cap of 64"),
-        "threads": ("FRONTIER_WORKER_TASKS", "64", "processes and threads, more than its cap of 64"),
-        "memory": ("FRONTIER_WORKER_MEMORY_MB", "1024", "of memory, more than its cap of 1024 MiB"),
-        "shared_memory": ("FRONTIER_WORKER_MEMORY_MB", "1024", "of memory, more than its cap of 1024 MiB"),
-        "memory_file": ("FRONTIER_WORKER_MEMORY_MB", "1024", "of memory, more than its cap of 1024 MiB")}
+# how -> (the cap's variable, the cap, what the error says with the kernel's caps, with the watchdog's).
+# A folder flood meets ENOSPC at the cap; files it deleted are freed when the worker fails, so the
+# error may be the worker's own "No space left on device" rather than the harness's.
+CAPS = {"disk": ("FRONTIER_WORKER_DISK_MB", "64", "into its private folder, up to its cap of 64 MiB",
+                 "into its private folder, up to its cap of 64 MiB"),
+        "deleted_files": ("FRONTIER_WORKER_DISK_MB", "64", "No space left on device",
+                          "into its private folder, up to its cap of 64 MiB"),
+        "processes": ("FRONTIER_WORKER_TASKS", "64", "more processes and threads than its cap of 64: the kernel",
+                      "processes and threads, more than its cap of 64"),
+        "threads": ("FRONTIER_WORKER_TASKS", "64", "more processes and threads than its cap of 64: the kernel",
+                    "processes and threads, more than its cap of 64"),
+        "memory": ("FRONTIER_WORKER_MEMORY_MB", "1024", "more memory than its cap of 1024 MiB: the kernel's OOM",
+                   "of memory, more than its cap of 1024 MiB"),
+        "shared_memory": ("FRONTIER_WORKER_MEMORY_MB", "1024", "more memory than its cap of 1024 MiB: the kernel's OOM",
+                          "of memory, more than its cap of 1024 MiB"),
+        "memory_file": ("FRONTIER_WORKER_MEMORY_MB", "1024", "more memory than its cap of 1024 MiB: the kernel's OOM",
+                        "of memory, more than its cap of 1024 MiB")}
+
+
+# What user space cannot see or is kept from looking at, each past a 512 MiB memory cap: memory files
+# queued in a socket, page tables, socket buffers; a watchdog blinded by folders that vanish under its
+# walk, or stalled by a deep file held open 340,000 times, before a plain flood.
+UNSEEN = ("passed_descriptors", "page_tables", "socket_buffers", "folder_churn", "deep_descriptors")
+
+
+def kernel_caps_here() -> bool:
+    """Whether this machine lets the harness leave the caps to the kernel (root, cgroups, tmpfs)."""
+    from harness.worker import kernel_caps
+    folder = Path(tempfile.mkdtemp())
+    try:
+        kernel_caps.create(folder, 1 << 30, 1 << 20, 10, 10, f"{kernel_caps.PREFIX}{os.getpid()}-probe").remove()
+        return True
+    except OSError:
+        return False
+    finally:
+        folder.rmdir()
+
+
+@pytest.fixture(params=["kernel", "watchdog"])
+def caps_mode(request, monkeypatch):
+    """Each cap test twice: with the kernel's caps (skipped where this machine cannot make them),
+    and with the watchdog alone (kernel_caps.create refused, as on a machine without cgroups)."""
+    from harness.worker import kernel_caps
+    if request.param == "kernel" and not kernel_caps_here():
+        pytest.skip("this machine does not let the harness create a cgroup and mount a tmpfs (needs root)")
+    if request.param == "watchdog":
+        def refused(*args, **kwargs):
+            raise OSError(1, "refused for the test", "/sys/fs/cgroup")
+        monkeypatch.setattr(kernel_caps, "create", refused)
+    return request.param
 
 
 def group_members(marker: str) -> list[int]:
@@ -915,10 +1012,11 @@ def group_members(marker: str) -> list[int]:
 
 
 @pytest.mark.parametrize("how", sorted(CAPS))
-def test_a_worker_past_a_cap_is_stopped_with_one_clear_error(tmp_path, checkpoint, text_dataset, how):
+def test_a_worker_past_a_cap_is_stopped_with_one_clear_error(tmp_path, checkpoint, text_dataset, how, caps_mode):
     """The caps lowered for the test: a 1 GiB flood against 64 MiB, 2,000 processes or threads
     against 64, 4 GiB of memory against 1 GiB. The run stops in seconds, leaves nothing."""
-    variable, cap, message = CAPS[how]
+    variable, cap, kernel_message, watchdog_message = CAPS[how]
+    message = kernel_message if caps_mode == "kernel" else watchdog_message
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     marker = f"frontier-consume-{os.getpid()}-{how}"
@@ -926,22 +1024,46 @@ def test_a_worker_past_a_cap_is_stopped_with_one_clear_error(tmp_path, checkpoin
     result, lines = evaluate(participant(tmp_path, how, CONSUME), checkpoint, text_dataset,
                              env={"SUBMISSION_HOW": how, "SUBMISSION_MB": "1024", "SUBMISSION_MARKER": marker,
                                   variable: cap, "TMPDIR": str(scratch)}, own_process=False)
-    assert_refused(result, lines, "the model worker was stopped: it ")
+    assert_refused(result, lines, "" if message == "No space left on device" else "the model worker was stopped: it ")
     assert message in result.stderr and "CONSUMED" not in result.stderr.split("error:")[-1]
     assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
     assert time.time() - t0 < 30  # the hostile's own sleep is 30 s: it was stopped, not waited for
     assert list(scratch.iterdir()) == [] and group_members(marker) == []
 
 
-def test_a_worker_under_its_caps_is_measured_and_scored(tmp_path, checkpoint, text_dataset, honest_runs):
+@pytest.mark.parametrize("how", UNSEEN)
+def test_what_user_space_cannot_see_the_kernel_caps(tmp_path, checkpoint, text_dataset, how, caps_mode):
+    """With the kernel's caps each is stopped at the memory cap. With the watchdog alone, the blinded
+    and stalled watchdog still stops the flood that follows (it survives its look, or a look that runs
+    out of time stops the worker); what it cannot see may be scored, but never officially."""
+    seen = caps_mode == "kernel" or how in ("folder_churn", "deep_descriptors")
+    cheat = CONSUME if seen else CONSUME.replace("time.sleep(30)", "pass")  # scored: no need to wait
+    t0 = time.time()
+    result, lines = evaluate(participant(tmp_path, how, cheat), checkpoint, text_dataset,
+                             env={"SUBMISSION_HOW": how, "FRONTIER_WORKER_MEMORY_MB": "512"}, own_process=False)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert time.time() - t0 < 40, result.stderr[-3000:]  # the hostile's own sleep is 30 s
+    if seen:
+        assert_refused(result, lines, "the model worker was stopped: it ")
+        assert ("more memory than its cap of 512 MiB" in result.stderr or
+                (caps_mode == "watchdog" and ("its cap of 512 MiB" in result.stderr
+                                              or "kept its watchdog from measuring it" in result.stderr))), \
+            result.stderr[-3000:]
+    else:  # the control: user space does not see it, and says the run is not official
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "caps could not be left to the kernel" in lines["official"], lines
+
+
+def test_a_worker_under_its_caps_is_measured_and_scored(tmp_path, checkpoint, text_dataset, honest_runs, caps_mode):
     """The control: the same flood, 256 MiB, under the default cap, is scored, and what the worker
-    wrote is what the harness measured."""
+    wrote is what the harness measured. Caps left to the watchdog make the run not official."""
     result, lines = evaluate(participant(tmp_path, "disk", CONSUME.replace("time.sleep(30)", "pass")), checkpoint,
                              text_dataset, env={"SUBMISSION_HOW": "disk", "SUBMISSION_MB": "256"}, own_process=False)
     assert result.returncode == 0, result.stderr[-3000:]
     used = [line for line in result.stderr.splitlines() if line.startswith("[worker] used at most: ")]
     assert len(used) == 1 and 256 <= int(used[0].split("disk ")[1].split()[0]) < 300, used
     assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
+    assert ("caps could not be left to the kernel" in lines["official"]) == (caps_mode == "watchdog"), lines
 
 
 # --- metadata: what the first worker reads, the second must not see ------------------------------------

@@ -48,7 +48,7 @@ import numpy as np
 from harness.common import EvalRefused
 from harness.config import REPO_DIR, keep_kernel_caches
 from harness.submission import Submission
-from harness.worker import access_times, limits, sandbox, wire
+from harness.worker import access_times, kernel_caps, limits, sandbox, wire
 from harness.worker.wire import LOGIT_DTYPES, WorkerError
 
 STDERR_TAIL_LINES = 40  # worker output kept for error messages
@@ -250,32 +250,52 @@ class Worker:
         self.start_seconds = self.sandbox_seconds = 0.0  # interpreter start and imports; the sandbox alone
         self.settled: access_times.Settled | None = None  # what the harness read ahead, without noatime
         self.limits = limits.worker_limits()
-        self.watchdog = None
+        self.watchdog = self.caps = None
         t_start = time.monotonic()
-        self.private_dir = Path(tempfile.mkdtemp(prefix="frontier-worker-"))
-        (self.private_dir / "tmp").mkdir()
-        tokenizer_copy = None
-        if tokenizer is not None:
-            tokenizer_copy = self.private_dir / "tokenizer.json"
-            shutil.copyfile(tokenizer.path, tokenizer_copy)
-        copy_kit(self.private_dir / "kit")
-        code = copy_code(submission, self.private_dir / "code")
-        participant_file = code / ("train.py" if mode == "model" else "inference.py")
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self._forwarded = 0
-        self._output_lock = threading.Lock()
-        sandbox.become_subreaper()
-        self._children_before = {pid for pid, ppid in _parents().items() if ppid == os.getpid()}
-        parent_sock, child_sock = socket.socketpair()
-        self.sock = parent_sock
-        env = worker_environment(self.private_dir, self.private_dir / "kit", tokenizer_copy,
-                                 getattr(tokenizer, "sha256", None))
-        self.proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(child_sock.fileno())],
-                                     cwd=self.private_dir, env=env, pass_fds=(child_sock.fileno(),),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        kernel_caps.remove_stale()
+        self.private_dir = Path(tempfile.mkdtemp(prefix=f"{kernel_caps.PREFIX}{os.getpid()}-"))
+        try:
+            self.caps = kernel_caps.create(self.private_dir, self.limits.memory, self.limits.disk, self.limits.files,
+                                           self.limits.tasks, self.private_dir.name)
+        except OSError as e:
+            self.not_official_because.append(
+                f"the worker's caps could not be left to the kernel ({e.strerror or 'refused'}: "
+                f"{quoted(e.filename or '', 200)}; that needs root, a writable cgroup hierarchy with the memory and "
+                "pids controllers and a tmpfs mount): a watchdog measured them from user space, which a worker can "
+                "outrun")
+        try:  # until the worker runs, close() cannot clean up: a failure here removes what was made
+            (self.private_dir / "tmp").mkdir()
+            tokenizer_copy = None
+            if tokenizer is not None:
+                tokenizer_copy = self.private_dir / "tokenizer.json"
+                shutil.copyfile(tokenizer.path, tokenizer_copy)
+            copy_kit(self.private_dir / "kit")
+            code = copy_code(submission, self.private_dir / "code")
+            participant_file = code / ("train.py" if mode == "model" else "inference.py")
+            self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+            self._forwarded = 0
+            self._output_lock = threading.Lock()
+            sandbox.become_subreaper()
+            self._children_before = {pid for pid, ppid in _parents().items() if ppid == os.getpid()}
+            parent_sock, child_sock = socket.socketpair()
+            self.sock = parent_sock
+            env = worker_environment(self.private_dir, self.private_dir / "kit", tokenizer_copy,
+                                     getattr(tokenizer, "sha256", None))
+            join_fds = self.caps.join_fds() if self.caps else []
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(child_sock.fileno())],
+                                             cwd=self.private_dir, env=env, pass_fds=(child_sock.fileno(),),
+                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             start_new_session=True,
+                                             preexec_fn=(lambda: kernel_caps.join(join_fds)) if join_fds else None)
+            finally:
+                for fd in join_fds:
+                    os.close(fd)
+        except BaseException:
+            self._remove_folder()
+            raise
         child_sock.close()
-        self.watchdog = limits.Watchdog(self.proc.pid, self.private_dir, self.limits, self._kill_group)
+        self.watchdog = limits.Watchdog(self.proc.pid, self.private_dir, self.limits, self._kill_group, self.caps)
         self.watchdog.start()
         self._pumps = [threading.Thread(target=self._pump, args=(stream,), daemon=True)
                        for stream in (self.proc.stdout, self.proc.stderr)]
@@ -389,6 +409,15 @@ class Worker:
         self._cap_reported = True
         return WorkerError(f"the {self.mode} worker was stopped: it {self.watchdog.reason}; no score")
 
+    def share_buffers(self, size: int, fds) -> None:
+        """Buffers of the harness's (memfds of size bytes in all) that the worker will write: not the
+        worker's memory to pay for. The kernel charges the pages to whoever first writes them, so its
+        cgroup's limit grows by their size."""
+        self.watchdog.shared_bytes = size
+        self.watchdog.shared_files = {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in fds}
+        if self.caps is not None:
+            self.caps.set_memory(self.limits.memory + size)
+
     def send(self, header: dict, payload=b"", fds=()) -> None:
         try:
             wire.send(self.sock, header, payload, fds)
@@ -440,18 +469,22 @@ class Worker:
 
     def _remove_folder(self) -> None:
         try:
+            if self.caps is not None:
+                self.caps.remove()  # what is left in its cgroup killed, the tmpfs unmounted
             limits.remove_tree(self.private_dir)
         except OSError as e:
             raise WorkerError(f"could not remove the worker's folder {self.private_dir}: {e.strerror} "
                               f"({quoted(e.filename or '', 200)})") from None
 
     def _kill_group(self) -> None:
-        """SIGKILL the worker's process group. Its leader is reaped only in close(), so until then
-        the group's id cannot name another process's group."""
+        """SIGKILL the worker's process group (and its cgroup, where it has one). Its leader is
+        reaped only in close(), so until then the group's id cannot name another process's group."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        if self.caps is not None:
+            self.caps.kill()
 
     def _kill_everything(self) -> None:
         """SIGKILL the worker's process group, which holds everything it started: the sandbox refuses
@@ -523,8 +556,7 @@ class ModelForward:
                 fds.append(fd)
                 self.maps.append(mapped)
                 self.outputs.append(np.ndarray(shape, dtype=np.float32, buffer=mapped))
-            worker.watchdog.shared_bytes = self.SLOTS * size  # the harness's memory, not the worker's
-            worker.watchdog.shared_files = {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in fds}
+            worker.share_buffers(self.SLOTS * size, fds)
             worker.request({"cmd": "buffers", "shape": list(shape)}, fds=fds)
         finally:
             for fd in fds:

@@ -40,6 +40,8 @@ TICK_SECONDS = 0.1  # how often tasks and memory are measured
 DISK_SECONDS = 1.0  # how often the private folder is measured, at most
 MAX_SCAN_SHARE = 0.1  # a measurement that took t seconds waits t / MAX_SCAN_SHARE for the next ...
 MAX_WAIT_SECONDS = 1.0  # ... but never longer than this
+LOOK_SECONDS = 5.0  # the most one look from user space may take; past it the worker is stopped
+MAX_DESCRIPTORS = 16384  # open files per process of the worker (RLIMIT_NOFILE); an honest one holds hundreds
 DEFAULT_DISK_BYTES = 16 << 30
 DEFAULT_FILES = 100_000
 BASE_TASKS, TASKS_PER_CPU = 1024, 16
@@ -80,8 +82,11 @@ def worker_limits() -> Limits:
 
 def worker_rlimits(limits: Limits) -> dict:
     """The rlimits a worker sets on itself before participant code runs (kept by all it starts):
-    no file larger than the disk cap; no core dump (it would land in the private folder)."""
-    return {"RLIMIT_FSIZE": limits.disk, "RLIMIT_CORE": 0}
+    no file larger than the disk cap; no core dump (it would land in the private folder); at most
+    MAX_DESCRIPTORS open files per process (or the harness's own hard limit, if lower)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    descriptors = MAX_DESCRIPTORS if hard == resource.RLIM_INFINITY else min(MAX_DESCRIPTORS, hard)
+    return {"RLIMIT_FSIZE": limits.disk, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": descriptors}
 
 
 def apply_rlimits(rlimits: dict) -> None:
@@ -141,12 +146,14 @@ def group_memory(pids, shared_bytes: int, cap: int) -> int:
     return max(0, used)
 
 
-def folder_use(root: Path, max_entries: int) -> tuple[int, int]:
+def folder_use(root: Path, max_entries: int, deadline: float = float("inf")) -> tuple[int, int]:
     """(allocated bytes, entries) beneath root, at any depth (walk_tree); stops counting past
-    max_entries (the cap is exceeded then, whatever the rest holds)."""
+    max_entries (the cap is exceeded then, whatever the rest holds). LookTooLong past deadline."""
     total = Usage()
 
     def count(fd: int, entries: list) -> list[str] | None:
+        if time.monotonic() > deadline:
+            raise LookTooLong
         folders = []
         for entry in entries:
             try:
@@ -163,16 +170,19 @@ def folder_use(root: Path, max_entries: int) -> tuple[int, int]:
     return total.disk, total.files
 
 
-def held_files(pids, device: int, skip: set) -> tuple[int, int]:
+def held_files(pids, device: int, skip: set, deadline: float = float("inf")) -> tuple[int, int]:
     """(bytes of deleted files on `device` that the processes still hold open, bytes of memory
-    files they hold), each file once; `skip` holds (device, inode) of the harness's own buffers."""
+    files they hold), each file once; `skip` holds (device, inode) of the harness's own buffers.
+    LookTooLong past deadline (a process can hold many descriptors, and pass them on)."""
     seen, on_disk, in_memory = set(skip), 0, 0
     for pid in pids:
         try:
             names = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
-        for name in names:
+        for i, name in enumerate(names):
+            if i % 256 == 0 and time.monotonic() > deadline:
+                raise LookTooLong
             path = f"/proc/{pid}/fd/{name}"
             try:
                 if not os.readlink(path).endswith(" (deleted)"):
@@ -228,13 +238,39 @@ def over_cap(usage: Usage, limits: Limits) -> str:
     return ""
 
 
-class Watchdog:
-    """Measures a running worker (its process group and its private folder) and stops it past a
-    cap: `reason` then says which, `peak` holds the most of each it saw. `shared_bytes` and
-    `shared_files` are the harness's buffers the worker maps (not the worker's to pay for)."""
+class LookTooLong(Exception):
+    """A look at a worker from user space ran past LOOK_SECONDS."""
 
-    def __init__(self, group: int, private_dir: Path, limits: Limits, kill):
-        self.group, self.private_dir, self.limits, self.kill = group, private_dir, limits, kill
+
+def kernel_reason(stopped: dict, usage: Usage, limits: Limits) -> str:
+    """What the kernel stopped (kernel_caps.Caps.over), in words ('' when nothing)."""
+    mib = 1 << 20
+    if stopped["memory"]:
+        return (f"held more memory than its cap of {limits.memory // mib} MiB: the kernel's OOM killer stopped it "
+                f"(${LIMIT_VARIABLES['memory'][0]})")
+    if stopped["tasks"]:
+        return (f"tried to run more processes and threads than its cap of {limits.tasks}: the kernel refused "
+                f"the rest (${LIMIT_VARIABLES['tasks'][0]})")
+    if stopped["disk"]:
+        return (f"wrote {usage.disk // mib} MiB into its private folder, up to its cap of {limits.disk // mib} MiB "
+                f"(${LIMIT_VARIABLES['disk'][0]})")
+    if stopped["files"]:
+        return (f"made more than {limits.files} files and folders in its private folder, its cap "
+                f"(${LIMIT_VARIABLES['files'][0]})")
+    return ""
+
+
+class Watchdog:
+    """Watches a running worker and stops it past a cap: `reason` then says which, `peak` holds the
+    most of each it saw. With `caps` (kernel_caps.Caps: the kernel enforces the caps) a look reads
+    what the kernel counted and stopped, a few small files whatever the worker does. Without, it
+    measures from user space: the worker's process group (/proc) and its private folder (a walk),
+    each look within LOOK_SECONDS. Whatever a look meets, the watchdog does not die: a look that
+    fails or runs out of time stops the worker, with the reason. `shared_bytes` and `shared_files`
+    are the harness's buffers the worker maps (not the worker's to pay for)."""
+
+    def __init__(self, group: int, private_dir: Path, limits: Limits, kill, caps=None):
+        self.group, self.private_dir, self.limits, self.kill, self.caps = group, private_dir, limits, kill, caps
         self.device = os.stat(private_dir).st_dev
         self.shared_bytes, self.shared_files = 0, set()
         self.reason = ""
@@ -250,7 +286,7 @@ class Watchdog:
     def stop(self) -> None:
         """Stop watching, after one last look (what the worker did since the previous one counts)."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=LOOK_SECONDS + 1)
         self.look_now()
 
     def look_now(self) -> str:
@@ -259,10 +295,7 @@ class Watchdog:
         with self._lock:
             if not self.reason:
                 self._over_memory = max(self._over_memory, 1)  # one more look over is enough now
-                reason, self._over_memory = self._look(True, self._disk, self._over_memory)
-                if reason:
-                    self.reason = reason
-                    self.kill()
+                self._safe_look(True)
         return self.reason
 
     def _run(self) -> None:
@@ -270,29 +303,52 @@ class Watchdog:
         while not self._stop.wait(wait):
             t0 = time.monotonic()
             with self._lock:
-                if self.reason:
-                    return
-                reason, self._over_memory = self._look(t0 >= next_disk, self._disk, self._over_memory)
-                if reason:
-                    self.reason = reason
-                    self.kill()
+                if self.reason or self._safe_look(t0 >= next_disk):
                     return
             spent = time.monotonic() - t0
             if t0 >= next_disk:
                 next_disk = time.monotonic() + max(DISK_SECONDS, spent / MAX_SCAN_SHARE)
             wait = min(MAX_WAIT_SECONDS, max(TICK_SECONDS, spent / MAX_SCAN_SHARE))
 
-    def _look(self, with_disk: bool, disk: Usage, over_memory: int) -> tuple[str, int]:
-        """One measurement: (what is over its cap or '', looks in a row with memory over its cap).
-        The cheapest first: a worker over its task cap is stopped before its memory is summed."""
+    def _safe_look(self, with_disk: bool) -> str:
+        """One look, under the lock; the worker stopped if it is over a cap, or if the look failed
+        or ran out of time (a worker is never left running unwatched). Returns the reason or ''."""
+        try:
+            if self.caps is not None:
+                reason = self._kernel_look()
+            else:
+                reason, self._over_memory = self._look(with_disk, self._disk, self._over_memory,
+                                                       time.monotonic() + LOOK_SECONDS)
+        except LookTooLong:
+            reason = (f"kept its watchdog from measuring it within {LOOK_SECONDS:.0f} s (more descriptors or "
+                      "folder entries than a look can read)")
+        except Exception as e:  # noqa: BLE001 - whatever it is, the worker is stopped, not left unwatched
+            cause = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else type(e).__name__
+            reason = f"made its watchdog fail ({cause})"  # no text of the worker's: a file name could be
+        if reason:
+            self.reason = reason
+            self.kill()
+        return reason
+
+    def _kernel_look(self) -> str:
+        got = self.caps.usage()
+        usage = Usage(memory=max(0, got["memory"] - self.shared_bytes), disk=got["disk"], files=got["files"],
+                      tasks=got["tasks"])
+        self.peak.peak(usage)
+        return kernel_reason(self.caps.over(), usage, self.limits)
+
+    def _look(self, with_disk: bool, disk: Usage, over_memory: int, deadline: float) -> tuple[str, int]:
+        """One measurement from user space: (what is over its cap or '', looks in a row with memory
+        over its cap). The cheapest first: a worker over its task cap is stopped before its memory
+        is summed. LookTooLong past deadline."""
         members = group_tasks(self.group, process_table())
         usage = Usage(tasks=sum(members.values()), disk=disk.disk, files=disk.files)
         self.peak.peak(usage)
         if usage.tasks > self.limits.tasks:
             return over_cap(usage, self.limits), 0
         if with_disk:
-            disk.disk, disk.files = folder_use(self.private_dir, self.limits.files)
-            held_disk, disk.memory = held_files(members, self.device, self.shared_files)
+            disk.disk, disk.files = folder_use(self.private_dir, self.limits.files, deadline)
+            held_disk, disk.memory = held_files(members, self.device, self.shared_files, deadline)
             disk.disk += held_disk
         usage.disk, usage.files = disk.disk, disk.files
         usage.memory = group_memory(members, self.shared_bytes, self.limits.memory) + disk.memory
@@ -323,12 +379,9 @@ def _make_enterable(parent_fd: int, name: str) -> None:
 
 
 def _enter(fd: int, name: str) -> int:
-    """The folder `name` in fd, opened (made enterable first); fd is closed."""
-    try:
-        _make_enterable(fd, name)
-        return os.open(name, DIR_FLAGS, dir_fd=fd)
-    finally:
-        os.close(fd)
+    """The folder `name` in fd, opened (made enterable first); fd stays open."""
+    _make_enterable(fd, name)
+    return os.open(name, DIR_FLAGS, dir_fd=fd)
 
 
 def walk_tree(root: Path, on_folder, on_left=None) -> None:
@@ -337,9 +390,14 @@ def walk_tree(root: Path, on_folder, on_left=None) -> None:
     to visit, so neither depth, nor path length, nor permission bits stop it. on_folder(fd,
     entries) gets each folder's descriptor and its os.DirEntry list, and returns the names of the
     subfolders to visit (None: stop the walk); on_left(parent_fd, name), if given, runs once a
-    folder and all beneath it have been visited (for root, with its parent's descriptor)."""
+    folder and all beneath it have been visited (for root, with its parent's descriptor). A
+    subfolder removed between its listing and its visit is skipped; each descriptor is closed once."""
     root = Path(os.path.abspath(root))
-    fd = _enter(os.open(root.parent, DIR_FLAGS), root.name)
+    parent = os.open(root.parent, DIR_FLAGS)
+    try:
+        fd = _enter(parent, root.name)
+    finally:
+        os.close(parent)
     try:
         stack = [(root.name, None)]  # (a folder's name in its parent, its subfolders left to visit)
         while stack:
@@ -352,7 +410,12 @@ def walk_tree(root: Path, on_folder, on_left=None) -> None:
                 stack[-1] = (name, pending)
             elif pending:
                 sub = pending.pop()
-                fd = _enter(fd, sub)
+                try:
+                    inner = _enter(fd, sub)
+                except FileNotFoundError:  # removed since it was listed: nothing beneath it to visit
+                    continue
+                os.close(fd)
+                fd = inner
                 stack.append((sub, None))
             else:
                 stack.pop()
