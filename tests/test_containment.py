@@ -1339,3 +1339,71 @@ def test_caches_that_cannot_be_dropped_or_are_kept_make_the_run_not_official(tmp
     monkeypatch.setenv("FRONTIER_KEEP_KERNEL_CACHES", "maybe")
     with pytest.raises(Exception, match="FRONTIER_KEEP_KERNEL_CACHES='maybe': expected 1/0"):
         harness_side.drop_kernel_caches()
+
+
+# --- the watchdog itself: whatever a look meets, the worker is stopped, never left unwatched ------------
+
+def _watchdog(tmp_path, killed):
+    from harness.worker.limits import Limits, Watchdog
+    big = 1 << 40
+    return Watchdog(os.getpgrp(), tmp_path, Limits(memory=big, disk=big, files=10**6, tasks=10**6),
+                    lambda: killed.append(1))
+
+
+@pytest.mark.parametrize("breaks", ["a look raises", "the loop itself raises", "a look takes too long"])
+def test_a_watchdog_that_cannot_look_stops_the_worker(tmp_path, monkeypatch, breaks):
+    from harness.worker import limits
+    killed = []
+    watchdog = _watchdog(tmp_path, killed)
+    if breaks == "a look raises":
+        monkeypatch.setattr(watchdog, "_look", lambda *a: 1 / 0)
+    elif breaks == "the loop itself raises":
+        monkeypatch.setattr(watchdog, "_safe_look", lambda *a: 1 / 0)
+    else:
+        monkeypatch.setattr(limits, "LOOK_SECONDS", 0.0)
+        monkeypatch.setattr(watchdog, "_look", lambda w, d, o, deadline: limits.folder_use(tmp_path, 10, deadline))
+    watchdog.start()
+    watchdog._thread.join(timeout=10)
+    assert not watchdog._thread.is_alive() and killed and watchdog.reason
+    expected = {"a look raises": "made its watchdog fail (ZeroDivisionError)",
+                "the loop itself raises": "outlived its watchdog (ZeroDivisionError)",
+                "a look takes too long": "kept its watchdog from measuring it"}[breaks]
+    assert watchdog.reason.startswith(expected), watchdog.reason
+
+
+def test_a_watchdog_left_alone_neither_stops_nor_dies(tmp_path):
+    killed = []
+    watchdog = _watchdog(tmp_path, killed)
+    watchdog.start()
+    time.sleep(1.0)
+    assert watchdog._thread.is_alive()
+    watchdog.stop()
+    assert not killed and not watchdog.reason and watchdog.peak.tasks >= 1
+
+
+def test_the_folder_walk_survives_folders_that_vanish_under_it(tmp_path):
+    import threading
+    from harness.worker.limits import folder_use
+    for i in range(200):
+        (tmp_path / f"d{i}" / "e").mkdir(parents=True)
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            for i in range(200):
+                for path in (tmp_path / f"d{i}" / "e", tmp_path / f"d{i}"):
+                    try:
+                        path.rmdir()
+                    except OSError:
+                        pass
+                (tmp_path / f"d{i}" / "e").mkdir(parents=True, exist_ok=True)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(50):
+            disk, files = folder_use(tmp_path, 10**6)
+            assert 0 <= files <= 400
+    finally:
+        stop.set()
+        thread.join()

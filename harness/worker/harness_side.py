@@ -500,6 +500,7 @@ class Worker:
         except subprocess.TimeoutExpired:  # an unkillable (uninterruptible) worker: say so, do not hang
             print(f"[{self.label}] warning: the worker did not die within 10 s of SIGKILL", file=sys.stderr)
         me, give_up, clean, left = os.getpid(), time.monotonic() + REAP_SECONDS, 0, None
+        last_chance = time.monotonic() + 3 * REAP_SECONDS  # however slowly they die, close() ends
         while clean < 3:
             parents = _parents()
             orphans = {pid for pid, ppid in parents.items() if ppid == me} - self._children_before
@@ -511,7 +512,7 @@ class Worker:
                 clean += 1
             if left is None or len(orphans) < left:  # killed processes still dying: wait while they do
                 left, give_up = len(orphans), time.monotonic() + REAP_SECONDS
-            if time.monotonic() > give_up:
+            if time.monotonic() > min(give_up, last_chance):
                 print(f"[{self.label}] warning: processes the worker started were still alive after "
                       f"{REAP_SECONDS:.0f}s", file=sys.stderr)
                 return

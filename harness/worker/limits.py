@@ -300,15 +300,19 @@ class Watchdog:
 
     def _run(self) -> None:
         next_disk, wait = 0.0, TICK_SECONDS
-        while not self._stop.wait(wait):
-            t0 = time.monotonic()
-            with self._lock:
-                if self.reason or self._safe_look(t0 >= next_disk):
-                    return
-            spent = time.monotonic() - t0
-            if t0 >= next_disk:
-                next_disk = time.monotonic() + max(DISK_SECONDS, spent / MAX_SCAN_SHARE)
-            wait = min(MAX_WAIT_SECONDS, max(TICK_SECONDS, spent / MAX_SCAN_SHARE))
+        try:
+            while not self._stop.wait(wait):
+                t0 = time.monotonic()
+                with self._lock:
+                    if self.reason or self._safe_look(t0 >= next_disk):
+                        return
+                spent = time.monotonic() - t0
+                if t0 >= next_disk:
+                    next_disk = time.monotonic() + max(DISK_SECONDS, spent / MAX_SCAN_SHARE)
+                wait = min(MAX_WAIT_SECONDS, max(TICK_SECONDS, spent / MAX_SCAN_SHARE))
+        except BaseException as e:  # noqa: BLE001 - a watchdog that stops watching stops the worker
+            self.reason = self.reason or f"outlived its watchdog ({type(e).__name__})"
+            self.kill()
 
     def _safe_look(self, with_disk: bool) -> str:
         """One look, under the lock; the worker stopped if it is over a cap, or if the look failed
