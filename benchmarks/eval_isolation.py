@@ -2,12 +2,15 @@
 logits through sealed shared memory) against the same worker without its sandbox, against the
 sandbox without its noatime mount namespace (the harness reading ahead what a read would move
 instead, as where it lacks CAP_SYS_ADMIN), against the contained run that keeps the kernel's caches
-between its workers (FRONTIER_KEEP_KERNEL_CACHES=1: no drop, a warm second start) and against
+between its workers (FRONTIER_KEEP_KERNEL_CACHES=1: no drop, a warm second start), against the
+contained run with its caps measured from user space by the watchdog instead of enforced by the
+kernel (no cgroup, no tmpfs: as where the harness may not create them) and against
 evaluate_bpb on the same model in this process: same rows, same checks, measured in the same run,
 in rotating order, so a shared machine's noise hits all of them.
 
     python benchmarks/eval_isolation.py [--checkpoint out/final.pt] [--max-tokens 262144] [--rounds 2]
-                                        [--modes in_process,worker,contained,read_ahead,kept_caches]
+                                        [--modes in_process,worker,contained,read_ahead,kept_caches,
+                                                 user_space_caps]
     python benchmarks/eval_isolation.py --readable   # what a worker may read, and reading it ahead twice
 
 Without a checkpoint, a freshly initialised CPU-preset model is saved and used (speed does not
@@ -33,7 +36,25 @@ from harness.worker import harness_side  # noqa: E402
 from random_model import save_random_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("in_process", "worker", "contained", "read_ahead", "kept_caches")
+MODES = ("in_process", "worker", "contained", "read_ahead", "kept_caches", "user_space_caps")
+REAL_CREATE = harness_side.kernel_caps.create
+
+
+def no_kernel_caps(*args, **kwargs):
+    raise OSError(0, "not created (benchmarking the watchdog alone)", "")
+
+
+def kernel_caps_seconds(rounds: int = 20) -> float:
+    """One worker's kernel caps created and removed (a cgroup, its limits, a tmpfs), best of rounds."""
+    import tempfile
+    best = float("inf")
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as folder:
+            t0 = time.perf_counter()
+            caps = REAL_CREATE(Path(folder), 1 << 30, 1 << 30, 1000, 100, f"frontier-worker-{os.getpid()}-bench")
+            caps.remove()
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def readable():
@@ -85,6 +106,7 @@ def main():
             else:
                 harness_side.ATIME_DEFENCES = ("read ahead",) if mode == "read_ahead" else ("noatime", "read ahead")
                 os.environ["FRONTIER_KEEP_KERNEL_CACHES"] = "1" if mode == "kept_caches" else "0"
+                harness_side.kernel_caps.create = no_kernel_caps if mode == "user_space_caps" else REAL_CREATE
                 with copy_submission(REPO / "train.py", checkpoint) as submission:
                     copied = time.time() - t0
                     result = evaluate_checkpoint(submission, tokenizer, args.batch_size, seq, args.device,
@@ -117,6 +139,9 @@ def main():
                                                            "reads ahead)"),
              ("kept_caches_seconds", "kept_caches", "{:.1f}", "(the same keeping the kernel's caches between the "
                                                              "workers: not official)"),
+             ("user_space_caps_seconds", "user_space_caps", "{:.1f}", "(the same with the caps measured by the "
+                                                                     "watchdog, not enforced by the kernel: not "
+                                                                     "official)"),
              ("drop_caches_seconds", "drop", "{:.2f}", "(dropping the page cache, dentries and inodes before the "
                                                       "second worker)"),
              ("contained_total_seconds", "total", "{:.1f}", "(copy, worker start, sandbox and model load included)"),
@@ -144,6 +169,13 @@ def main():
               f"{best['second_load_kept']:.2f}s with the caches kept")
     if "kept_caches" in best and "contained" in best:
         print(f"contained_vs_kept:       {100 * (best['contained'] / best['kept_caches'] - 1):+.1f} %")
+    if "user_space_caps" in best and "contained" in best:
+        print(f"kernel_caps_vs_watchdog: {100 * (best['contained'] / best['user_space_caps'] - 1):+.1f} %")
+        try:
+            print(f"kernel_caps_setup:       {kernel_caps_seconds() * 1000:.1f} ms  (one worker's cgroup, limits and "
+                  "tmpfs created and removed, best of 20)")
+        except OSError as e:
+            print(f"kernel_caps_setup:       not available here ({e.strerror or e})")
     if "read_ahead" in best and "contained" in best:
         print(f"read_ahead_vs_contained: {100 * (best['read_ahead'] / best['contained'] - 1):+.1f} %")
 
