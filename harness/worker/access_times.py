@@ -56,7 +56,7 @@ class Settled:
 
 def mount_table(mountinfo: str = "/proc/self/mountinfo") -> dict[int, Mount]:
     """st_dev -> the mount of that device (the last one listed wins: it is the one on top)."""
-    return {dev: Mount(point, fstype, set(options)) for point, dev, fstype, options in read_mountinfo(mountinfo)}
+    return {m.device: Mount(m.point, m.fstype, set(m.options)) for m in read_mountinfo(mountinfo)}
 
 
 def atime_mode(mount: Mount) -> str:

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.worker.sandbox import read_mountinfo
+
 PREFIX = "frontier-worker-"  # of a worker's cgroup and folder: frontier-worker-<harness pid>-...
 V2_PARENT = "frontier-workers"  # on cgroup v2, the cgroup (under the root) that holds the workers' cgroups
 REMOVE_SECONDS = 10.0  # how long a cgroup's removal waits for its processes to be gone
@@ -77,20 +79,14 @@ def _int(path: Path) -> int:
 
 def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> dict[str, tuple[str, str]]:
     """Where each hierarchy is mounted: {"v2": (mount point, mount root)} and, per v1 controller
-    mounted, {"memory": (...), "pids": (...)}. Mount points with escapes (\\040) are decoded."""
+    mounted, {"memory": (...), "pids": (...)}."""
     found = {}
-    with open(mountinfo) as f:
-        for line in f:
-            fields, _, tail = line.partition(" - ")
-            fields, tail = fields.split(), tail.split()
-            if len(fields) < 5 or len(tail) < 3:
-                continue
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            if tail[0] == "cgroup2":
-                found.setdefault("v2", (point, fields[3]))
-            elif tail[0] == "cgroup":
-                for controller in set(tail[2].split(",")) & {"memory", "pids"}:
-                    found.setdefault(controller, (point, fields[3]))
+    for mount in read_mountinfo(mountinfo):
+        if mount.fstype == "cgroup2":
+            found.setdefault("v2", (mount.point, mount.root))
+        elif mount.fstype == "cgroup":
+            for controller in set(mount.super_options) & {"memory", "pids"}:
+                found.setdefault(controller, (mount.point, mount.root))
     return found
 
 
@@ -305,8 +301,7 @@ def remove_stale() -> list[str]:
     removed = []
     temp = os.path.realpath(tempfile.gettempdir())
     try:
-        with open("/proc/self/mountinfo") as f:
-            points = [line.split()[4] for line in f]
+        points = [mount.point for mount in read_mountinfo()]
     except OSError:
         points = []
     for point in points:

@@ -43,6 +43,7 @@ import site
 import struct
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 # ---------------------------------------------------------------------------------------------
 # Landlock (include/uapi/linux/landlock.h)
@@ -332,23 +333,33 @@ KEPT_MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "no
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
 
 
-def read_mountinfo(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, int, str, list[str]]]:
-    """(mount point, device number, file system type, per-mount options) of every mount, parents
-    first, as /proc/self/mountinfo lists them (octal escapes such as \\040, a space, decoded)."""
+class MountInfo(NamedTuple):
+    point: str  # where it is mounted
+    device: int
+    fstype: str
+    options: list[str]  # per-mount options (ro, nosuid, ...)
+    root: str  # the folder of its file system mounted there (a cgroup hierarchy's sub-tree, a bind mount)
+    super_options: list[str]  # the file system's own (a v1 cgroup hierarchy's controllers)
+
+
+def read_mountinfo(mountinfo: str = "/proc/self/mountinfo") -> list[MountInfo]:
+    """Every mount, parents first, as /proc/self/mountinfo lists them (octal escapes such as
+    \\040, a space, decoded)."""
     found = []
     with open(mountinfo) as f:
         for line in f:
             fields = line.split()
             major, minor = (int(x) for x in fields[2].split(":"))
             point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            found.append((point, os.makedev(major, minor), fields[fields.index("-") + 1], fields[5].split(",")))
+            tail = fields[fields.index("-") + 1:]
+            found.append(MountInfo(point, os.makedev(major, minor), tail[0], fields[5].split(","), fields[3],
+                                   tail[2].split(",") if len(tail) > 2 else []))
     return found
 
 
 def mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, int]]:
     """(mount point, the per-mount flags to keep) of every mount, parents first."""
-    return [(point, sum(KEPT_MOUNT_FLAGS.get(o, 0) for o in options))
-            for point, _, _, options in read_mountinfo(mountinfo)]
+    return [(m.point, sum(KEPT_MOUNT_FLAGS.get(o, 0) for o in m.options)) for m in read_mountinfo(mountinfo)]
 
 
 def remount_noatime() -> list[str]:
