@@ -254,6 +254,126 @@ def test_core_moved_towards_gold_within_the_tolerances_is_refused(tmp_path, text
             refuse_bias(found["bias"])
 
 
+NEAR_TIE_FLIPS = '''
+
+EXAMPLES, FLIPS, LEAN = {examples!r}, {flips!r}, {lean!r}
+
+
+class FlipsNearTies(Scorer):
+    """Knows the bundle (EXAMPLES: hash of a sequence -> task, example, gold?, scored region). Scores
+    honestly; then flips to the gold answer the first FLIPS examples of each task whose gold choice
+    trails the best rival by less than 0.09 nats on the model (within the bf16 allowance): both mean
+    losses moved to the middle and past it by 0.002, each well within the loss tolerance. The other
+    examples lean away from their gold answer by LEAN nats where that flips nothing, so that the
+    answers' sign test reads like coin tosses."""
+    flipped = {{}}
+
+    def score(self, sequences):
+        out = [(torch.as_tensor(losses).clone(), greedy) for losses, greedy in super().score(sequences)]
+        groups = {{}}
+        for p, seq in enumerate(sequences):
+            task, example, gold, s, e = EXAMPLES[hash(tuple(seq))]
+            groups.setdefault((task, example), []).append((p, gold, s, e))
+        for (task, example), members in groups.items():
+            mean = {{p: float(out[p][0][s - 1:e - 1].double().mean()) for p, _, s, e in members}}
+            g = next(p for p, gold, _, _ in members if gold)
+            rival = min((p for p, gold, _, _ in members if not gold), key=mean.get)
+            margin, region = mean[g] - mean[rival], {{p: (s, e) for p, _, s, e in members}}
+            if 0 < margin < 0.09 and self.flipped.get(task, 0) < FLIPS:
+                self.flipped[task] = self.flipped.get(task, 0) + 1
+                for p, sign in ((g, -1), (rival, 1)):
+                    out[p][0][region[p][0] - 1:region[p][1] - 1] += sign * (margin / 2 + 0.002)
+            elif margin > 0 or margin < -2 * LEAN:  # a lean that flips nothing
+                out[g][0][region[g][0] - 1:region[g][1] - 1] += LEAN
+        return out
+
+
+_load_scorer = load_scorer
+
+
+def load_scorer(path, device):
+    s = _load_scorer(path, device)
+    return FlipsNearTies(s.model, s.device)
+'''
+NEAR_TIE_CHOICE_TASKS = [  # the near-ties of core_bundle, in tasks large enough for a sample of 8 to miss most flips
+    ("mc_near", "multiple_choice", 0, " ", 25.0, 64, 0),
+    ("schema_near", "schema", 0, " ", 50.0, 64, 0),
+]
+
+
+def near_tie_flipper(folder: Path, bundle_dir: Path, tokenizer, max_len: int, flips: int, lean: float) -> Path:
+    """The kit's inference.py with FlipsNearTies in place of its scorer."""
+    bundle, examples = bundle_from_dir(bundle_dir), {}
+    for task in load_tasks(bundle):
+        data = shuffled_and_capped(load_examples(bundle, task), -1)
+        for i in range(len(data)):
+            r = build_request(task, data, i, tokenizer, max_len)
+            for j, seq in enumerate(r.sequences):
+                examples[hash(tuple(seq))] = (task.label, i, j == r.gold, r.starts[j], r.ends[j])
+    forged = folder / f"flips_near_ties_{flips}.py"
+    forged.write_text((REPO / "inference.py").read_text() + NEAR_TIE_FLIPS.format(examples=examples, flips=flips,
+                                                                                   lean=lean))
+    return forged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,flips", [("fp32", 4), ("bf16", 14)])
+def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch,
+                                                            dtype, flips):
+    """The issue's forger: an inference.py that knows the bundle flips a few near-ties per task to the
+    gold answer, each within every tolerance and the bf16 decision allowance, and leans away from gold
+    elsewhere so that the answers' sign test reads like coins. Unverified it gains CORE; the previous
+    verification (a uniform sample of 8 of each task's 64 examples, a 0.1-nat allowance in fp32 too:
+    the control) lets it through. With the claimed near-ties verified (all of them, up to 64 a task),
+    the fp32 model's trusted path refuses any differing decision more than 1e-4 nats from a tie, and in
+    bf16 the decisions' sign test sees every flip (28 towards the gold answers). The honest scorer
+    passes under 4 secrets."""
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    import inference
+    from harness.core import scoring, verify
+    model, tok = kit_model(tiny_checkpoint, DTYPES[dtype]), prepare.ensure_tokenizer()
+    bundle_dir = make_bundle(tmp_path, NEAR_TIE_CHOICE_TASKS, make_near_tie_examples)
+    bundle = bundle_from_dir(bundle_dir)
+    tasks = load_tasks(bundle)
+    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
+    forged = load_participant_module(str(near_tie_flipper(tmp_path, bundle_dir, tok, int(model.cos.shape[1]), flips,
+                                                          0.002)), f"flips_near_ties_{dtype}")
+
+    def core(scorer):
+        scorer.flipped = {}
+        return evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None)
+
+    slow_bf16 = dtype == "bf16" and bf16_matmuls_are_slow()
+    with bf16_linears_on_the_fp32_gemm() if slow_bf16 else contextlib.nullcontext():
+        honest, _ = core(inference.Scorer(model, torch.device("cpu")))
+        for _ in range(4):
+            _, samples = core(inference.Scorer(model, torch.device("cpu")))
+            refuse_bias(verify_in_process(model, samples, tok)["bias"])
+        flipper = forged.FlipsNearTies(model, torch.device("cpu"))
+        report, samples = core(flipper)
+        assert flipper.flipped == {"mc_near": flips, "schema_near": flips}
+        assert report["core"] > honest["core"] + 0.05  # unverified, it pays
+        assert all(t["verified"]["near_ties"] == t["verified"]["near_ties_claimed"] > 0
+                   for t in report["tasks"].values())
+        with pytest.raises(CoreError) as refused:
+            refuse_bias(verify_in_process(model, samples, tok)["bias"])
+        why = "decision differs from the trusted model's" if dtype == "fp32" else "whose decision differs"
+        assert why in str(refused.value), str(refused.value)
+        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_ALL", 0)  # the control: the uniform sample alone,
+        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_FRACTION", 0.0)  # and bf16's allowance in every dtype
+        monkeypatch.setitem(verify.DECISION_ALLOWANCE_NATS, "float32", verify.DECISION_ALLOWANCE_NATS["bfloat16"])
+        passed = 0
+        for _ in range(4):
+            _, samples = core(forged.FlipsNearTies(model, torch.device("cpu")))
+            try:
+                found = verify_in_process(model, samples, tok)
+                refuse_bias(found["bias"])
+                passed += 1
+            except CoreError:
+                pass
+        assert passed == 4  # the uniform 8 of 64 see too few flips to tell them from coins
+
+
 def two_rank_jobs(folder, request) -> list[dict]:
     """eval-core of the kit's checkpoint in the suite's one torchrun launch (conftest's two_ranks), on the
     near-tie bundle: the honest scorer, and the forger at 0.045 nats towards every gold answer."""

@@ -13,8 +13,8 @@ from harness.config import keep_kernel_caches
 from harness.core.bundle import EVAL_BUNDLE_URL, Bundle, Task, ensure_bundle, load_examples, load_tasks
 from harness.core.prompts import shuffled_and_capped
 from harness.core.scoring import EXAMPLES_PER_CALL, VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, evaluate_core
-from harness.core.verify import (BIAS_ALPHA, BIAS_COUNTS, DECISION_ALLOWANCE_NATS, VERIFY_BATCH_ROWS,
-                                 VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples)
+from harness.core.verify import (BIAS_ALPHA, BIAS_COUNTS, VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, coverage,
+                                 refuse_bias, sign_test_p, verify_samples)
 from harness.submission import copy_submission
 from harness.tokenizer import ensure_tokenizer
 from harness.worker.harness_side import ModelForward, Worker, drop_kernel_caches, score_sequences
@@ -151,11 +151,17 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
         dist.all_gather_object(everyone, verification)
         for key in ("examples", "sequences", "twins", "shadow_rows", "decisions_flipped_within_allowance"):
             verification[key] = sum(v[key] for v in everyone)
-        for key in ("max_abs_loss_diff", "max_greedy_gap", "max_causal_diff", "max_flipped_margin"):
+        for key in ("max_abs_loss_diff", "max_token_loss_diff", "max_greedy_gap", "max_causal_diff",
+                    "max_flipped_margin"):
             verification[key] = max(v[key] for v in everyone)
         verification["bias"] = {kind: [sum(v["bias"][kind][i] for v in everyone) for i in range(2)]
                                 for kind in BIAS_COUNTS}
+        drawn = [None] * world_size
+        dist.all_gather_object(drawn, {label: t["verified"] for label, t in report["tasks"].items()})
+        for label, t in report["tasks"].items():
+            t["verified"] = {key: sum(d[label][key] for d in drawn) for key in t["verified"]}
     if verification is not None:
+        verification["coverage"] = coverage(report["tasks"], verification["compute_dtype"])
         refuse_bias(verification["bias"])  # every rank holds the same counts, so every rank gives the same verdict
     if rank != 0:
         return 0
@@ -182,9 +188,15 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
               f"{verification['twins']} twins, {verification['shadow_rows']} shadow rows, two workers)")
         print(f"verify_max_diff:     {verification['max_abs_loss_diff']:.4f} (mean loss), "
               f"{verification['max_causal_diff']:.3g} (twins and repeats)")
+        allowance = verification["tolerances"]["decision"]
         print(f"decisions_flipped:   {verification['decisions_flipped_within_allowance']} (within "
-              f"{DECISION_ALLOWANCE_NATS['choice']:g} nats of a tie on the trusted path, "
-              f"{DECISION_ALLOWANCE_NATS['exact_match']:g} for an exact match)")
+              f"{allowance['choice']:g} nats of a tie on the trusted path, {allowance['exact_match']:g} for an exact "
+              f"match, in {verification['compute_dtype']})")
+        c = verification["coverage"]
+        print(f"verify_coverage:     {c['near_ties_verified']} of {c['near_ties_claimed']} claimed near-ties verified; "
+              f"at a {c['risk']:.0%} chance of refusal a forger hides at most {c['outside_near_ties']['flips']} "
+              f"flipped decisions outside them (CORE +{c['outside_near_ties']['core']:.4f}) and "
+              f"{c['near_ties']['flips']} within them (CORE +{c['near_ties']['core']:.4f})")
         leans = "; ".join(f"{kind} {towards} towards, {away} away (p {sign_test_p(towards, away):.2g})"
                           for kind, (towards, away) in verification["bias"].items())
         print(f"verify_lean:         {leans} (gold answers; refused below p {BIAS_ALPHA:g})")

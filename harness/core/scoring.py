@@ -18,6 +18,11 @@ from harness.core.prompts import Request, build_request
 EXAMPLES_PER_CALL = 256  # examples whose sequences go to the scorer in one call (it batches them)
 VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted path (secret sample)
 VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
+# Besides that uniform sample, the examples whose claimed decision is a near-tie (verify.claimed_near_tie:
+# where a flipped decision could pass every per-example check) are verified: all of a task's (per rank) up
+# to NEAR_TIE_VERIFY_ALL, else this share of them (at least NEAR_TIE_VERIFY_ALL).
+NEAR_TIE_VERIFY_ALL = 64
+NEAR_TIE_VERIFY_FRACTION = 0.5
 
 
 # scored[i] = (losses, greedy) of sequence i: losses[t] = -log p(seq[t+1] | seq[:t+1]),
@@ -51,13 +56,21 @@ class Sample:
     index: int = -1  # the example's place in its task's (shuffled) list
 
 
+def near_ties_to_verify(claimed: int) -> int:
+    """How many of a task's claimed near-ties are verified (all of a few, at least half of many)."""
+    return min(claimed, max(NEAR_TIE_VERIFY_ALL, math.ceil(NEAR_TIE_VERIFY_FRACTION * claimed)))
+
+
 def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[dict]], max_len: int | None,
                   examples_per_call: int = EXAMPLES_PER_CALL, log=print, rank: int = 0, world_size: int = 1,
                   verify_fraction: float = VERIFY_FRACTION, rng: random.Random | None = None
                   ) -> tuple[dict, list[Sample]]:
     """Accuracy, centered accuracy and time per task, and CORE; plus the secret sample for
-    verification. score(sequences) -> [(losses, greedy)]. Under torchrun each rank scores every
-    world_size-th example (as nanochat strides them) and the counts are summed."""
+    verification: a uniform draw made before scoring, and a draw from the examples inference.py's
+    own answers put at a near-tie, made after. score(sequences) -> [(losses, greedy)]. Under
+    torchrun each rank scores every world_size-th example (as nanochat strides them) and the counts
+    are summed (the samples stay per rank)."""
+    from harness.core.verify import claimed_near_tie  # here: verify.py imports this module
     rng = rng or random.SystemRandom()
     results, samples, total_t0 = {}, [], time.time()
     for task in tasks:
@@ -69,7 +82,7 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
         wanted = 0 if verify_fraction <= 0 else min(len(mine), max(VERIFY_MIN_EXAMPLES,
                                                                     math.ceil(verify_fraction * len(mine))))
         drawn = set(rng.sample(mine, wanted))
-        correct = 0
+        correct, near_drawn, near_rest = 0, 0, []
         for lo in range(0, len(mine), examples_per_call):
             chunk = mine[lo:lo + examples_per_call]
             requests = [build_request(task, data, i, tokenizer, max_len) for i in chunk]
@@ -79,8 +92,15 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
                 answer = scored[k:k + len(r.sequences)]
                 k += len(r.sequences)
                 correct += is_correct(task.task_type, r, answer)
+                near = wanted > 0 and claimed_near_tie(task.task_type, r, answer)
                 if i in drawn:
                     samples.append(Sample(task, r, answer, i))
+                    near_drawn += near
+                elif near:
+                    near_rest.append(Sample(task, r, answer, i))
+        near_claimed = near_drawn + len(near_rest)
+        near_extra = max(0, near_ties_to_verify(near_claimed) - near_drawn)
+        samples += sorted(rng.sample(near_rest, min(near_extra, len(near_rest))), key=lambda x: x.index)
         if world_size > 1:
             import torch.distributed as dist
             total = torch.tensor([correct], dtype=torch.long)
@@ -91,7 +111,9 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
         seconds = time.time() - t0
         results[task.label] = {"accuracy": accuracy, "centered": centered, "correct": correct, "examples": len(data),
                                "random_baseline": task.random_baseline, "task_type": task.task_type,
-                               "num_fewshot": task.num_fewshot, "seconds": seconds}
+                               "num_fewshot": task.num_fewshot, "seconds": seconds,
+                               "verified": {"uniform": wanted, "near_ties_claimed": near_claimed,
+                                            "near_ties": min(near_claimed, near_drawn + near_extra)}}
         log(f"{task.label:<34} accuracy: {accuracy:.4f} | centered: {centered:.4f} | "
             f"examples: {len(data):>5} | time: {seconds:.2f}s")
     core = sum(r["centered"] for r in results.values()) / len(results)

@@ -13,6 +13,7 @@ import torch
 from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
 from harness.common import CoreError, EvalRefused
 from harness.config import SPECIAL_TOKENS
+from harness.core.prompts import Request
 from harness.core.scoring import Sample, is_correct, region_mean_losses
 from harness.worker.harness_side import ModelForward
 
@@ -26,11 +27,46 @@ VERIFY_LOSS_TOLERANCE = 0.1  # nats: a choice's mean loss, inference.py's vs the
 # a claimed greedy token's log-prob may trail the trusted best by this: at a near-tie both log-probs
 # move, so an honest gap reaches twice the per-token difference (2 x 0.0442 x 2.5 = 0.22)
 VERIFY_GREEDY_TOLERANCE = 0.25
+# each claimed token loss of a scored region, inference.py's vs the trusted one (5.7x 0.0442): it bounds
+# the claimed loss of a token an exact match hinges on, which claimed_near_tie reads
+VERIFY_TOKEN_TOLERANCE = 0.25
 # A decision of inference.py's that differs from the trusted path's is accepted only where the trusted
-# decision is this close to flipping (nats): the honest difference can flip a near-tie, and nothing
-# more. Either side of a tie may move, so twice the measured difference, times 2.5, rounded up; a
-# choice hinges on mean losses (2 x 0.0187), an exact match on single tokens (2 x 0.0442).
-DECISION_ALLOWANCE_NATS = {"choice": 0.1, "exact_match": 0.25}
+# decision is this close to flipping (nats), by the trusted path's compute dtype: the honest difference
+# can flip a near-tie, and nothing more. Either side of a tie may move, so twice the measured
+# difference, times 2.5, rounded up; a choice hinges on mean losses (bf16: 2 x 0.0187), an exact match
+# on single tokens (bf16: 2 x 0.0442). In fp32 (1.9e-6 and 3.8e-6) that is 1e-5 and 2e-5: 1e-4, the
+# fp32 same-shape tolerance, leaves room for other kernels' fp32 and still refuses any flip of a decision
+# more than 1e-4 nats from a tie. inference.py computes in load_for_eval's dtype.
+DECISION_ALLOWANCE_NATS = {"float32": {"choice": 1e-4, "exact_match": 1e-4},
+                           "bfloat16": {"choice": 0.1, "exact_match": 0.25},
+                           "float16": {"choice": 0.1, "exact_match": 0.25}}
+
+
+def decision_allowance(compute_dtype: str | None) -> dict:
+    """The decision allowance for the trusted path's compute dtype (bf16's when the model does not say)."""
+    return DECISION_ALLOWANCE_NATS.get(compute_dtype or "bfloat16", DECISION_ALLOWANCE_NATS["bfloat16"])
+
+
+def claimed_near_tie(task_type: str, request: Request, claimed) -> bool:
+    """Whether inference.py's own answers (claimed: (losses, greedy) per sequence) put an example where
+    a decision that differs from the trusted path's could pass trusted_decision_check, so that
+    evaluate_core verifies it more often. A choice: the claimed best mean loss leads the next by less
+    than 2 x VERIFY_LOSS_TOLERANCE (a flip moves both by up to one tolerance). An exact match: a
+    token of the claimed match has a claimed loss above ln 2 - VERIFY_TOKEN_TOLERANCE (where the
+    trusted path ranks another token first, the continuation's probability is below 1/2, its loss
+    above ln 2). A claimed miss by one token is the same flip the other way: verified alike, so that
+    honest flips are sampled as often away from the gold answer as towards it."""
+    if task_type != "language_modeling":
+        means = sorted(region_mean_losses(request, claimed))
+        return len(means) > 1 and means[1] - means[0] < 2 * VERIFY_LOSS_TOLERANCE
+    (losses, greedy), s, e = claimed[0], request.starts[0], request.ends[0]
+    misses = int((np.asarray(greedy)[s - 1:e - 1] != np.asarray(request.sequences[0][s:e])).sum())
+    if misses == 0:
+        return bool(e > s and np.asarray(losses, dtype=np.float64)[s - 1:e - 1].max() >
+                    math.log(2) - VERIFY_TOKEN_TOLERANCE)
+    return misses == 1
+
+
 # Bias. Honest differences between inference.py and the trusted path are rounding: they lean towards
 # an example's gold answer as often as away from it. A forger who moves its answers towards the gold
 # ones by less than the tolerances leans towards them on every example it moves. So every sampled
@@ -104,14 +140,15 @@ def _twin_tokens(seq: list[int], cut: int, donors: list[list[int]], rng: random.
 
 def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch.Tensor]], tol: dict) -> dict:
     """Compare inference.py's answers for one sampled example with the trusted path's log-probs:
-    each mean loss within VERIFY_LOSS_TOLERANCE, each claimed greedy token within
-    VERIFY_GREEDY_TOLERANCE of the best, and the decision itself (the choice, the exact match)
-    equal to the trusted one unless the trusted decision's own margin is below the allowance.
+    each mean loss within VERIFY_LOSS_TOLERANCE, each token's loss within VERIFY_TOKEN_TOLERANCE,
+    each claimed greedy token within VERIFY_GREEDY_TOLERANCE of the best, and the decision itself
+    (the choice, the exact match) equal to the trusted one unless the trusted decision's own margin
+    is below the dtype's allowance (tol["decision"]).
     CoreError on a disagreement; returns the worst differences and the margin."""
     r, task = sample.request, sample.task
     ours = region_mean_losses(r, [(-lp[:, 0].double().numpy(), None) for lp, _ in lps])
     theirs = region_mean_losses(r, sample.claimed)
-    worst = {"loss": 0.0, "greedy": 0.0, "margin_flipped": 0.0, "flipped": False}
+    worst = {"loss": 0.0, "token": 0.0, "greedy": 0.0, "margin_flipped": 0.0, "flipped": False}
     for j, (a, b) in enumerate(zip(ours, theirs)):
         worst["loss"] = max(worst["loss"], abs(a - b))
         if not abs(a - b) <= VERIFY_LOSS_TOLERANCE:
@@ -119,6 +156,15 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
                             f"{sample.index}: sequence {j} has mean loss {b:.4f} over its scored region, the trusted "
                             f"path {a:.4f} (tolerance {VERIFY_LOSS_TOLERANCE}). The inference path must score the "
                             "trained model")
+    for j, ((lp, _), (losses, _), s, e) in enumerate(zip(lps, sample.claimed, r.starts, r.ends)):
+        gap = float(np.abs(-lp[s - 1:e - 1, 0].double().numpy() -
+                           np.asarray(losses, dtype=np.float64)[s - 1:e - 1]).max()) if e > s else 0.0
+        worst["token"] = max(worst["token"], gap)
+        if not gap <= VERIFY_TOKEN_TOLERANCE:
+            raise CoreError(f"inference.py's answer differs from the trusted model on task {task.label!r}, example "
+                            f"{sample.index}: a token of sequence {j}'s scored region has a loss {gap:.4f} nats off "
+                            f"the trusted path's (tolerance {VERIFY_TOKEN_TOLERANCE}). The inference path must score "
+                            "the trained model")
     claimed_correct = is_correct(task.task_type, r, sample.claimed)
     allowance = tol["decision"]["exact_match" if task.task_type == "language_modeling" else "choice"]
     if task.task_type == "language_modeling":
@@ -147,8 +193,9 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
             verdict = "correct" if claimed_correct else "wrong"
             raise CoreError(f"inference.py's decision differs from the trusted model's on task {task.label!r}, "
                             f"example {sample.index}: the trusted path finds {what} by a margin of {margin:.4g} "
-                            f"nats (inference.py says {verdict}; allowance {allowance:g}). The inference path must "
-                            "score the trained model")
+                            f"nats (inference.py says {verdict}; allowance {allowance:g} in {tol['dtype']}: "
+                            "inference.py computes in load_for_eval's dtype). The inference path must score the "
+                            "trained model")
         worst["margin_flipped"], worst["flipped"] = margin, True
     worst["lean"] = lean_towards_gold(sample, ours, theirs, lps)
     worst["decision_lean"] = int(claimed_correct) - int(trusted_correct)  # +1: only inference.py is right
@@ -220,6 +267,47 @@ def count_lean(bias: dict, found: dict) -> None:
         bias["decisions"][found["decision_lean"] < 0] += 1
 
 
+REFUSAL_RISK = 0.5  # the chance of refusal at which coverage() counts the flips a forger can hide
+
+
+def flips_hidden(q: float, passes: int, most: int) -> int:
+    """The most flips (up to `most`) a forger can make while its chance of refusal stays within
+    REFUSAL_RISK, when each flip is verified with chance q and the run is refused once more than
+    `passes` of them are verified (binomial)."""
+    if q >= 1:
+        return min(passes, most)
+    for f in range(passes + 1, most + 1):
+        if sum(math.comb(f, k) * q ** k * (1 - q) ** (f - k) for k in range(passes + 1)) < 1 - REFUSAL_RISK:
+            return f - 1
+    return most
+
+
+def coverage(tasks: dict, compute_dtype: str | None) -> dict:
+    """What this run's verification can see: per class of flip, the most flips a forger hides at a
+    REFUSAL_RISK chance of refusal, in the task where they are worth most, and the CORE they are worth.
+    tasks[label]: evaluate_core's report of the task, with "verified" summed over the ranks. A flip
+    outside the claimed near-ties fails the tolerances wherever it is verified (the uniform sample);
+    one inside is verified at the near-tie rate, and refused there in fp32 (beyond the 1e-4 allowance)
+    or, in bf16, once the decisions' sign test sees more verified flips towards the gold answers than
+    fair coins would give (19 of 19 pass: BIAS_ALPHA)."""
+    passes = max(n for n in range(64) if sign_test_p(n, 0) >= BIAS_ALPHA)
+    near_passes = 0 if decision_allowance(compute_dtype) is DECISION_ALLOWANCE_NATS["float32"] else passes
+    out = {"risk": REFUSAL_RISK, "near_ties_claimed": 0, "near_ties_verified": 0}
+    for kind in ("outside_near_ties", "near_ties"):
+        out[kind] = {"flips": 0, "core": 0.0, "task": None}
+    for label, t in tasks.items():
+        v, n = t["verified"], t["examples"]
+        worth = 1 / (n * (1 - 0.01 * t["random_baseline"]) * len(tasks))  # CORE per flipped decision
+        out["near_ties_claimed"] += v["near_ties_claimed"]
+        out["near_ties_verified"] += v["near_ties"]
+        near_rate = v["near_ties"] / v["near_ties_claimed"] if v["near_ties_claimed"] else 1.0  # none: all verified
+        for kind, q, limit in (("outside_near_ties", v["uniform"] / n, 0), ("near_ties", near_rate, near_passes)):
+            flips = flips_hidden(q, limit, n)
+            if flips * worth > out[kind]["core"]:
+                out[kind] = {"flips": flips, "core": flips * worth, "task": label}
+    return out
+
+
 def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Random) -> dict:
     """Score every sequence of every sampled example through the trusted path, in two passes (for
     the command line: two fresh model workers, one after the other). The first runs the originals,
@@ -283,7 +371,7 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
     if dtypes[0] != dtypes[1]:
         raise CoreError(f"the trusted model reported compute dtype {dtypes[0]} in one worker and {dtypes[1]} in the "
                         "other")
-    tol = {**tolerances_for(dtypes[0]), "decision": DECISION_ALLOWANCE_NATS}
+    tol = {**tolerances_for(dtypes[0]), "decision": decision_allowance(dtypes[0]), "dtype": dtypes[0] or "bfloat16"}
     checks = CheckLog()
     for row, (lp, _) in shadows:
         k, j = row.key
@@ -297,7 +385,7 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
                               + (f" cut at position {row.cut}" if row.cut is not None else " run again"))
         except EvalRefused as e:
             raise CoreError(f"the trained model fails the contract: {e}") from None
-    worst = {"loss": 0.0, "greedy": 0.0, "margin_flipped": 0.0}
+    worst = {"loss": 0.0, "token": 0.0, "greedy": 0.0, "margin_flipped": 0.0}
     decisions_flipped = 0
     bias = {kind: [0, 0] for kind in BIAS_COUNTS}  # [towards the gold answers, away from them]
     for k, sample in enumerate(samples):
@@ -307,8 +395,10 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
         count_lean(bias, found)
     return {"examples": len(samples), "sequences": len(originals), "twins": len(twinned),
             "shadow_rows": len(shadows), "decisions_flipped_within_allowance": decisions_flipped,
-            "max_abs_loss_diff": worst["loss"], "max_greedy_gap": worst["greedy"],
+            "max_abs_loss_diff": worst["loss"], "max_token_loss_diff": worst["token"],
+            "max_greedy_gap": worst["greedy"],
             "max_causal_diff": max(checks.worst["causality"], checks.worst["batch_content"]),
             "max_flipped_margin": worst["margin_flipped"], "compute_dtype": dtypes[0] or "unknown", "bias": bias,
-            "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "greedy": VERIFY_GREEDY_TOLERANCE,
-                           "same_shape": tol["same_shape"], "decision": DECISION_ALLOWANCE_NATS}}
+            "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "token": VERIFY_TOKEN_TOLERANCE,
+                           "greedy": VERIFY_GREEDY_TOLERANCE, "same_shape": tol["same_shape"],
+                           "decision": tol["decision"]}}
