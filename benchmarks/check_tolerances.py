@@ -19,7 +19,6 @@ rest on. For the kit's own model in fp32 and in bf16, on this machine's device:
 Uses the active dataset's public_val for the val_bpb rows. Without --checkpoint, a CPU-preset model
 with random weights everywhere is used (its near-uniform outputs make a weak test: use a trained one)."""
 import argparse
-import contextlib
 import math
 import os
 import random
@@ -40,7 +39,8 @@ from harness.common import CoreError  # noqa: E402
 from harness.core import verify  # noqa: E402  (a module: core_differences lifts its tolerances)
 from harness.core.bundle import Task  # noqa: E402
 from harness.core.prompts import Request, build_request  # noqa: E402
-from harness.core.scoring import VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, Sample, region_mean_losses  # noqa: E402
+from harness.core.scoring import (VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, Sample, near_ties_to_verify,  # noqa: E402
+                                  region_mean_losses)
 from harness import metric as M  # noqa: E402
 from harness.submission import copy_submission  # noqa: E402
 from core_throughput import CORE_TASKS, imitation  # noqa: E402
@@ -105,7 +105,7 @@ class _Forward(M.LocalForward):
 
 def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> dict:
     # measure the honest differences in full, past the harness's tolerances (printed beside them)
-    verify.VERIFY_LOSS_TOLERANCE = verify.VERIFY_GREEDY_TOLERANCE = float("inf")
+    verify.VERIFY_LOSS_TOLERANCE = verify.VERIFY_GREEDY_TOLERANCE = verify.VERIFY_TOKEN_TOLERANCE = float("inf")
     model = load(checkpoint, dtype)
     scorer = inference.Scorer(model, torch.device(DEVICE))
     rng = random.Random(0)
@@ -138,7 +138,10 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
             sample = Sample(task, r, answer, i)
             decisions += 1
             try:
-                found = verify.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"), "exact_match": float("inf")}})
+                found = verify.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"),
+                                                                                     "exact_match": float("inf")}})
+                found["near"] = verify.claimed_near_tie(task_type, r, answer)
+                found["lm"] = task_type == "language_modeling"
                 greedy_gap = max(greedy_gap, found["greedy"])
                 if found["flipped"]:
                     flips.append(found["margin_flipped"])
@@ -191,7 +194,37 @@ def bias_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int = 0) 
     return refused, everything
 
 
+def decision_false_refusals(leans: dict[str, list[dict]], runs: int, compute_dtype: str, seed: int = 0
+                            ) -> tuple[int, dict]:
+    """How many of `runs` official-sized verifications (each task's uniform sample, and its claimed
+    near-ties in the share measured here, scaled to the real task's size and drawn as eval-core draws
+    them: near_ties_to_verify) the decision rules refuse: a verified decision that differs from the
+    trusted path's by more than the dtype's allowance, or the sign tests. Also the near-tie share."""
+    allowance = verify.decision_allowance(compute_dtype)
+    rng, refused, sizes = random.Random(seed), 0, official_sample_sizes()
+    examples = {label: n for label, _, _, _, n, *_ in CORE_TASKS}
+    share = {label: sum(f["near"] for f in pool) / max(len(pool), 1) for label, pool in leans.items()}
+    for _ in range(runs):
+        bias, wrong = {kind: [0, 0] for kind in verify.BIAS_COUNTS}, False
+        for label, pool in leans.items():
+            near = [f for f in pool if f["near"]]
+            drawn = [rng.choice(pool) for _ in range(sizes[label])] if pool else []
+            drawn += [rng.choice(near) for _ in range(near_ties_to_verify(round(share[label] * examples[label])))
+                      ] if near else []
+            for found in drawn:
+                kind = "exact_match" if found.get("lm") else "choice"
+                wrong |= found["flipped"] and not found["margin_flipped"] < allowance[kind]
+                verify.count_lean(bias, found)
+        try:
+            verify.refuse_bias(bias)
+            refused += wrong
+        except CoreError:
+            refused += 1
+    return refused, share
+
+
 TOLERANCES = {"loss": verify.VERIFY_LOSS_TOLERANCE, "greedy": verify.VERIFY_GREEDY_TOLERANCE,
+              "token": verify.VERIFY_TOKEN_TOLERANCE,
               "decision": dict(verify.DECISION_ALLOWANCE_NATS)}  # the harness's, before core_differences lifts them
 
 
@@ -234,6 +267,14 @@ def main():
               f"{len(preferred) - towards} away (p {verify.sign_test_p(towards, len(preferred) - towards):.2g})")
         print(f"CORE bias test on {args.bias_runs} official-sized samples ({sum(official_sample_sizes().values())} "
               f"examples each): refused {refused} (refused below p {verify.BIAS_ALPHA:g} per count)")
+        declared = "float32" if dtype == "fp32" else "bfloat16"
+        refused, share = decision_false_refusals(c["leans"], args.bias_runs, declared)
+        flipped = [f for f in found if f["flipped"]]
+        print(f"CORE claimed near-ties: {sum(f['near'] for f in found)} of {len(found)} examples (per task: "
+              + ", ".join(f"{label} {x:.0%}" for label, x in share.items()) + f"); {len(flipped)} decisions differ, "
+              f"{sum(f['near'] for f in flipped)} of them claimed near-ties")
+        print(f"CORE verification with the near-ties ({declared}: allowance {verify.decision_allowance(declared)}) on "
+              f"{args.bias_runs} official-sized runs: refused {refused}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The CORE harness: exact semantics on a synthetic bundle, the toy scorer, errors, downloads."""
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import json
@@ -8,14 +9,17 @@ import random
 import threading
 import zipfile
 
+import numpy as np
 import pytest
+import torch
 
 import prepare
 from harness.common import CoreError
-from harness.core.bundle import bundle_from_dir, ensure_bundle, load_examples, load_tasks
+from harness.core import verify
+from harness.core.bundle import Task, bundle_from_dir, ensure_bundle, load_examples, load_tasks
 from harness.core.prompts import (Request, fewshot_indices, render_language_modeling, render_multiple_choice,
                                   render_schema, scored_regions, shuffled_and_capped, truncate_left)
-from harness.core.scoring import centered_accuracy, evaluate_core, is_correct
+from harness.core.scoring import Sample, centered_accuracy, evaluate_core, is_correct, near_ties_to_verify
 from harness import download
 from core_bundle import expected_core, make_bundle
 from helpers import REPO, can_drop_kernel_caches, prepare_in_process
@@ -173,6 +177,134 @@ def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, mo
     capped = {t.label: shuffled_and_capped(load_examples(bundle, t), 4) for t in tasks[:1]}
     report, _ = evaluate_core(many.score, tok, tasks[:1], capped, None, log=lambda m: None)
     assert report["tasks"]["mc_plain"]["examples"] == 4
+
+
+# --- verification sized to what a forger can gain ------------------------------------------------
+
+def _trusted_lps(logits: torch.Tensor, tokens: list[int], claimed_greedy) -> tuple[torch.Tensor, torch.Tensor]:
+    """What verify.run_rows computes for one row: log-softmax at [target, claimed greedy], and the top 2."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    ids = torch.stack([torch.as_tensor(tokens[1:]), torch.as_tensor(claimed_greedy)], dim=1)
+    return logits.gather(-1, ids) - lse, logits.topk(2, dim=-1).values - lse
+
+
+def test_every_flip_that_passes_the_checks_is_a_claimed_near_tie():
+    """The near-tie set is sound: of 4,000 random examples (choices and exact matches, the model's
+    logits drawn so that ties are common) with claims moved towards the gold answer as far as every
+    per-example check allows (mean losses by up to the loss tolerance; for an exact match, continuation
+    tokens claimed as greedy wherever within the greedy tolerance, their losses lowered by up to the
+    token tolerance and the others' raised to keep the mean), each
+    decision that differs from the trusted path's and passes trusted_decision_check (bf16's allowance,
+    the widest) is one evaluate_core counts as a claimed near-tie; flips happen, and so do examples
+    that are not near-ties."""
+    rng = torch.Generator().manual_seed(0)
+    tol = {"decision": verify.DECISION_ALLOWANCE_NATS["bfloat16"], "dtype": "bfloat16"}
+    flips, not_near = [0, 0], 0
+    for trial in range(4000):
+        lm = trial % 2 == 1
+        k, n = (1, 6) if lm else (int(torch.randint(2, 5, (1,), generator=rng)), 8)
+        start = n - (3 if lm else 4)
+        seqs = [[int(t) for t in torch.randint(0, 16, (n,), generator=rng)] for _ in range(k)]
+        logits = [torch.randn(n - 1, 16, generator=rng) * float(torch.rand(1, generator=rng) * 4) for _ in range(k)]
+        if lm:  # the continuation and one rival far ahead of the rest: p(continuation) near 1/2
+            rows = torch.arange(n - 1)
+            logits[0][rows, torch.as_tensor(seqs[0][1:])] += 8
+            rival = torch.randint(0, 16, (n - 1,), generator=rng)
+            logits[0][rows, rival] += 8 + 0.6 * (torch.rand(n - 1, generator=rng) - 0.5)
+        gold = None if lm else int(torch.randint(0, k, (1,), generator=rng))
+        request = Request(seqs, [start] * k, [n] * k, gold)
+        lps, claimed = [], []
+        for j, (seq, x) in enumerate(zip(seqs, logits)):
+            lp_all = x.log_softmax(-1)
+            target = lp_all.gather(-1, torch.as_tensor(seq[1:])[:, None])[:, 0]
+            greedy = lp_all.argmax(-1)
+            noise = (torch.rand(n - 1, generator=rng) - 0.5) * 0.14
+            noise[start - 1:] -= noise[start - 1:].mean()
+            shift = (-0.099 if j == gold else 0.099) * float(torch.rand(1, generator=rng))
+            if lm:  # claim the continuation wherever it is within the greedy tolerance of the best, its loss lowered
+                moved = (target >= lp_all.max(-1).values - 0.249) & (greedy != torch.as_tensor(seq[1:]))
+                greedy = torch.where(moved, torch.as_tensor(seq[1:]), greedy)
+                region, m = n - start, int(moved[start - 1:].sum())  # the others raised by 0.2 to keep the mean
+                lowered = max(-0.249, (-0.099 * region - (region - m) * 0.2) / max(m, 1))
+                noise, shift = torch.where(moved, lowered, 0.2), 0.0
+            losses = -target + noise + shift
+            claimed.append((losses.double().numpy(), greedy.numpy()))
+            lps.append(_trusted_lps(x, seq, greedy))
+        sample = Sample(Task("t", "language_modeling" if lm else "multiple_choice", 0, " ", "", 25.0), request,
+                        claimed, trial)
+        try:
+            found = verify.trusted_decision_check(sample, lps, tol)
+        except CoreError:
+            continue
+        near = verify.claimed_near_tie(sample.task.task_type, request, claimed)
+        not_near += not near
+        if found["flipped"]:
+            flips[lm] += 1
+            assert near, (trial, found)
+    assert min(flips) > 20 and not_near > 200, (flips, not_near)
+
+
+def test_a_token_off_the_trusted_loss_is_refused_though_its_mean_agrees():
+    """A claimed mean loss within the tolerance hides nothing in its tokens: one token 0.3 nats off
+    (balanced by the others) is refused, 0.2 is not."""
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(1))
+    seq = list(range(8))
+    lp = _trusted_lps(x, seq, x.argmax(-1))
+    honest = -lp[0][:, 0].double().numpy()
+    for off, refused in ((0.2, False), (0.3, True)):
+        losses = honest.copy()
+        losses[3:] += np.array([off, -off / 3, -off / 3, -off / 3])
+        sample = Sample(Task("t", "multiple_choice", 0, " ", "", 25.0), Request([seq, seq], [4, 4], [8, 8], 0),
+                        [(losses, x.argmax(-1).numpy())] * 2, 0)
+        with pytest.raises(CoreError, match="a token of sequence 0") if refused else contextlib.nullcontext():
+            verify.trusted_decision_check(sample, [lp, lp], {"decision": verify.DECISION_ALLOWANCE_NATS["float32"],
+                                                             "dtype": "float32"})
+
+
+def test_near_ties_are_verified_all_of_a_few_and_half_of_many(tmp_path, text_dataset, monkeypatch):
+    """evaluate_core draws the uniform sample and then the claimed near-ties: a scorer whose answers tie
+    every choice has all of a small task's examples verified; one whose answers are far from ties, the
+    uniform sample alone; near_ties_to_verify takes all of 64, then max(64, half)."""
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    bundle = bundle_from_dir(make_bundle(tmp_path))
+    tasks = [t for t in load_tasks(bundle) if t.task_type != "language_modeling"]
+    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
+    tok = prepare.ensure_tokenizer()
+
+    def scorer(tie: bool):
+        def score(seqs):
+            return [(np.full(len(s) - 1, 1.0 if tie else 1.0 + 0.5 * k), np.zeros(len(s) - 1, int))
+                    for k, s in enumerate(seqs)]
+        return score
+
+    for tie in (True, False):
+        report, samples = evaluate_core(scorer(tie), tok, tasks, examples, None, log=lambda m: None,
+                                        verify_fraction=0.02, rng=random.Random(0))
+        for t in tasks:
+            v, n = report["tasks"][t.label]["verified"], len(examples[t.label])
+            drawn = [s.index for s in samples if s.task.label == t.label]
+            assert len(drawn) == len(set(drawn)) == (n if tie else min(n, 8)) and v["uniform"] == min(n, 8)
+            assert v["near_ties_claimed"] == (n if tie else 0) == v["near_ties"]
+    assert [near_ties_to_verify(c) for c in (0, 5, 64, 65, 128, 129, 1000)] == [0, 5, 64, 64, 64, 65, 500]
+
+
+def test_coverage_counts_the_flips_a_forger_can_hide():
+    """At a 50 % chance of refusal: 34 flips where 2 % of a task is verified and any verified flip is
+    refused, none where every near-tie is verified in fp32, 19 in bf16 (the sign test passes 19 of 19),
+    about 39 in bf16 where half are; each in the task where a flip is worth most CORE."""
+    assert [verify.flips_hidden(q, 0, 10**4) for q in (0.02, 0.08, 0.5, 1.0)] == [34, 8, 1, 0]
+    assert verify.flips_hidden(1.0, 19, 10**4) == 19 and 38 <= verify.flips_hidden(0.5, 19, 10**4) <= 40
+    assert verify.flips_hidden(0.01, 0, 20) == 20  # no more than the task has
+    tasks = {"big": {"examples": 10000, "random_baseline": 25.0,
+                     "verified": {"uniform": 200, "near_ties_claimed": 3000, "near_ties": 1500}},
+             "small": {"examples": 100, "random_baseline": 50.0,
+                       "verified": {"uniform": 8, "near_ties_claimed": 40, "near_ties": 40}}}
+    fp32, bf16 = verify.coverage(tasks, "float32"), verify.coverage(tasks, "bfloat16")
+    assert fp32["outside_near_ties"] == {"flips": 8, "core": pytest.approx(8 / (100 * 0.5 * 2)), "task": "small"}
+    assert fp32["near_ties"] == {"flips": 1, "core": pytest.approx(1 / (10000 * 0.75 * 2)), "task": "big"}
+    assert bf16["near_ties"] == {"flips": 19, "core": pytest.approx(19 / (100 * 0.5 * 2)), "task": "small"}
+    assert fp32["near_ties_claimed"] == 3040 and fp32["near_ties_verified"] == 1540
+    assert verify.coverage(tasks, None)["near_ties"] == bf16["near_ties"]  # a model that does not say: bf16's
 
 
 # --- clear errors -------------------------------------------------------------------------------
