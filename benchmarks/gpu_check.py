@@ -435,10 +435,12 @@ class Check:
                   "bundle": f"{examples} examples of each of CORE's 22 task shapes made from the public_val "
                             "text (not CORE's tasks: a check of the path, not a score to compare)",
                   "honest_differences": {k: r["verify"][k] for k in
-                                         ("examples", "max_abs_loss_diff", "max_causal_diff", "max_greedy_gap",
-                                          "decisions_flipped_within_allowance", "max_flipped_margin", "bias")
+                                         ("examples", "max_abs_loss_diff", "max_token_loss_diff", "max_causal_diff",
+                                          "max_greedy_gap", "decisions_flipped_within_allowance", "max_flipped_margin",
+                                          "bias", "coverage")
                                          if k in (r.get("verify") or {})},
-                  "tolerances": {"loss": verify.VERIFY_LOSS_TOLERANCE, "greedy": verify.VERIFY_GREEDY_TOLERANCE,
+                  "tolerances": {"loss": verify.VERIFY_LOSS_TOLERANCE, "token": verify.VERIFY_TOKEN_TOLERANCE,
+                                 "greedy": verify.VERIFY_GREEDY_TOLERANCE,
                                  "decision": dict(verify.DECISION_ALLOWANCE_NATS),
                                  "val_bpb_checks": TOLERANCE_NATS}}
         if first_error:

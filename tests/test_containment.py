@@ -688,6 +688,38 @@ if os.environ.get("SUBMISSION_PROBE_CONTROL") != "1":
     after = os.stat(KIT_FILE)
     print("PROBE metadata", "UNCHANGED" if (before.st_mtime_ns, before.st_mode) == (after.st_mtime_ns, after.st_mode)
           else "CHANGED", file=sys.stderr)
+    def own_cgroups():
+        """The worker's own cgroup folders: v1's memory and pids, or v2's (""), through mountinfo."""
+        mounts, out = {}, {}
+        for line in open("/proc/self/mountinfo"):
+            pre, post = line.split(" - ")
+            root, point, (fstype, _, options) = pre.split()[3], pre.split()[4], post.split()[:3]
+            for c in ([""] if fstype == "cgroup2" else [c for c in options.split(",") if c in ("memory", "pids")]
+                      if fstype == "cgroup" else []):
+                mounts[c] = (root, point)
+        for line in open("/proc/self/cgroup"):
+            _, controllers, path = line.rstrip("\\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                if c in mounts and (path + "/").startswith(mounts[c][0].rstrip("/") + "/"):
+                    out[c] = os.path.join(mounts[c][1], os.path.relpath(path, mounts[c][0]))
+        return out
+
+    def cgroup_attempt(name, path, action):
+        if not os.path.exists(path):
+            print("PROBE", name, "MISSING", path, file=sys.stderr)
+        else:
+            attempt(name, action)
+
+    own = own_cgroups()
+    memory, pids = (own["memory"], own.get("pids", own["memory"])) if "memory" in own else (own[""], own[""])
+    limit = os.path.join(memory, "memory.limit_in_bytes" if "memory" in own else "memory.max")
+    cgroup_attempt("cgroup_raise_memory", limit, lambda: open(limit, "w").write("-1" if "memory" in own else "max"))
+    cgroup_attempt("cgroup_raise_pids", os.path.join(pids, "pids.max"),
+                   lambda: open(os.path.join(pids, "pids.max"), "w").write("max"))
+    leave = os.path.join(os.path.dirname(memory), "cgroup.procs")
+    cgroup_attempt("cgroup_leave", leave, lambda: open(leave, "w").write(str(os.getpid())))
+    cgroup_attempt("cgroup_child", memory, lambda: os.mkdir(os.path.join(memory, "unlimited")))
+    print("PROBE cgroup_folder", memory, file=sys.stderr)
 attempt("write_private", lambda: open("own.txt", "w").write("x"))
 
 
@@ -723,6 +755,14 @@ def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, hon
     kinds = {line.split()[2]: line.split()[-1] for line in result.stderr.splitlines() if line.startswith("[worker] PROBE ")}
     assert kinds["mincore"] == kinds["prlimit_parent"] == kinds["bind_abstract"] == "PermissionError", kinds
     assert probes["metadata"] == "UNCHANGED" and probes["write_private"] == "ALLOWED" and probes["env"] == "HIDDEN"
+    # the worker's own cgroup: it cannot raise its limits, move itself out, or make a child of its own
+    cgroups = ("cgroup_raise_memory", "cgroup_raise_pids", "cgroup_leave", "cgroup_child")
+    if kernel_caps_here():
+        from harness.worker.kernel_caps import PREFIX
+        assert PREFIX in probes["cgroup_folder"], probes["cgroup_folder"]  # the probe found the cgroup the harness made
+        assert {k: kinds[k] for k in cgroups} == {k: "PermissionError" for k in cgroups}, kinds
+    else:  # the machine's own cgroup, which the worker cannot write either
+        assert all(probes[k] in ("DENIED", "MISSING") for k in cgroups), probes
     assert lines["val_bpb"] == honest_runs["public"]["val_bpb"]
     assert lines["sandbox"].startswith("capabilities + landlock-") and "seccomp" in lines["sandbox"]
     unsandboxed = dict(line.split()[2:4] for line in control.stderr.splitlines() if line.startswith("[worker] PROBE "))

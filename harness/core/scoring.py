@@ -20,9 +20,13 @@ VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted
 VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
 # Besides that uniform sample, the examples whose claimed decision is a near-tie (verify.claimed_near_tie:
 # where a flipped decision could pass every per-example check) are verified: all of a task's (per rank) up
-# to NEAR_TIE_VERIFY_ALL, else this share of them (at least NEAR_TIE_VERIFY_ALL).
+# to NEAR_TIE_VERIFY_ALL, else this share of them (at least NEAR_TIE_VERIFY_ALL). A weak model's choices
+# are nearly all near-ties (benchmarks/check_tolerances.py: every choice task of a CPU-preset model), so
+# an official bundle verifies about 4,600 of its 92,241 examples instead of 1,875; a larger share buys
+# little: what a forger can hide is then bounded by the small tasks, whose near-ties are all verified
+# (verify.coverage; docs/trust-model.md gives the figures).
 NEAR_TIE_VERIFY_ALL = 64
-NEAR_TIE_VERIFY_FRACTION = 0.5
+NEAR_TIE_VERIFY_FRACTION = 0.05
 
 
 # scored[i] = (losses, greedy) of sequence i: losses[t] = -log p(seq[t+1] | seq[:t+1]),
@@ -57,7 +61,7 @@ class Sample:
 
 
 def near_ties_to_verify(claimed: int) -> int:
-    """How many of a task's claimed near-ties are verified (all of a few, at least half of many)."""
+    """How many of a task's claimed near-ties are verified (all of a few, a share of many)."""
     return min(claimed, max(NEAR_TIE_VERIFY_ALL, math.ceil(NEAR_TIE_VERIFY_FRACTION * claimed)))
 
 
