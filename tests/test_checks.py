@@ -374,6 +374,99 @@ def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_data
         assert passed == 4  # the uniform 8 of 64 see too few flips to tell them from coins
 
 
+HEURISTIC_LEAN = '''
+
+FAVOURED, OTHERS, SHIFT = {favoured!r}, {others!r}, {shift!r}
+
+
+class LeansToHeuristic(Scorer):
+    """Knows no gold answer: moves every choice a heuristic favours (the longest, the first) down by
+    SHIFT and the others up by SHIFT, each within the tolerances; where the heuristic is right more
+    often than not, the near-ties it flips gain CORE."""
+
+    def score(self, sequences):
+        return [(losses - SHIFT if hash(tuple(seq)) in FAVOURED else losses + SHIFT
+                 if hash(tuple(seq)) in OTHERS else losses, greedy)
+                for seq, (losses, greedy) in zip(sequences, super().score(sequences))]
+
+
+_load_scorer = load_scorer
+
+
+def load_scorer(path, device):
+    s = _load_scorer(path, device)
+    return LeansToHeuristic(s.model, s.device)
+'''
+HEURISTIC_TASKS = [("mc_lean", "multiple_choice", 0, " ", 25.0, 64, 0), ("mc_lean_answer", "multiple_choice", 1,
+                                                                        "\nAnswer: ", 25.0, 64, 0)]
+
+
+def heuristic_examples(heuristic: str):
+    """Near-tie choices (core_bundle's) where the heuristic's choice (one choice a word longer, or the
+    first) is the gold answer in 3 examples of 4, another choice otherwise."""
+    def make(task_type: str, n: int, right: int, seed: int) -> list[dict]:
+        rng, examples = random.Random(seed), make_near_tie_examples(task_type, n, right, seed)
+        for ex in examples:
+            favoured = rng.randrange(4) if heuristic == "longest" else 0
+            if heuristic == "longest":
+                ex["choices"][favoured] += " " + rng.choice(("alpha", "kilo", "mike"))
+            ex["gold"] = favoured if rng.random() < 0.75 else rng.choice([j for j in range(4) if j != favoured])
+        return examples
+    return make
+
+
+def favoured_choices(bundle_dir: Path, tokenizer, max_len: int, heuristic: str) -> tuple[set, set]:
+    """hash(tuple(tokens)) of every sequence the heuristic favours (the longest choice, the first), and
+    of the others: what a scorer can tell from the sequences alone."""
+    bundle, favoured, others = bundle_from_dir(bundle_dir), set(), set()
+    for task in load_tasks(bundle):
+        data = shuffled_and_capped(load_examples(bundle, task), -1)
+        for i in range(len(data)):
+            r = build_request(task, data, i, tokenizer, max_len)
+            pick = max(range(len(r.sequences)), key=lambda j: len(r.sequences[j])) if heuristic == "longest" else 0
+            for j, seq in enumerate(r.sequences):
+                (favoured if j == pick else others).add(hash(tuple(seq)))
+    return favoured, others
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heuristic", ["longest", "first"])
+def test_a_lean_towards_a_heuristic_that_often_picks_gold_is_refused(tmp_path, text_dataset, tiny_checkpoint,
+                                                                    monkeypatch, heuristic):
+    """A cousin of the near-tie flipper that knows no gold answer: it leans every example towards the
+    choice a heuristic favours (the longest, the first), by 0.045 nats each way, on tasks where the
+    heuristic's choice is gold in 3 of 4 examples (a real task's length or position bias, made strong).
+    Unverified it gains CORE; the uniform sample (8 of each task's 64, the control) sees too few leans
+    to tell from coins; with every claimed near-tie verified, the answers' lean towards gold is refused
+    (bf16's allowance, so that a flipped decision alone does not refuse it)."""
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    import inference
+    from harness.core import scoring
+    model, tok = kit_model(tiny_checkpoint), prepare.ensure_tokenizer()
+    bundle_dir = make_bundle(tmp_path, HEURISTIC_TASKS, heuristic_examples(heuristic))
+    favoured, others = favoured_choices(bundle_dir, tok, int(model.cos.shape[1]), heuristic)
+    forged = tmp_path / f"leans_{heuristic}.py"
+    forged.write_text((REPO / "inference.py").read_text() + HEURISTIC_LEAN.format(favoured=favoured, others=others,
+                                                                                   shift=0.045))
+    leaner = load_participant_module(str(forged), f"leans_{heuristic}").LeansToHeuristic(model, torch.device("cpu"))
+    bundle = bundle_from_dir(bundle_dir)
+    tasks = load_tasks(bundle)
+    examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
+
+    def core(scorer):
+        return evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None)
+
+    honest, _ = core(inference.Scorer(model, torch.device("cpu")))
+    report, samples = core(leaner)
+    assert report["core"] > honest["core"] + 0.05  # unverified, it pays
+    with pytest.raises(CoreError, match=LEAN_REFUSAL):
+        refuse_bias(verify_in_process(model, samples, tok)["bias"])
+    monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_ALL", 0)  # the control: the uniform sample alone
+    monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_FRACTION", 0.0)
+    for _ in range(3):
+        refuse_bias(verify_in_process(model, core(leaner)[1], tok)["bias"])
+
+
 def two_rank_jobs(folder, request) -> list[dict]:
     """eval-core of the kit's checkpoint in the suite's one torchrun launch (conftest's two_ranks), on the
     near-tie bundle: the honest scorer, and the forger at 0.045 nats towards every gold answer."""
