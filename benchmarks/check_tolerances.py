@@ -223,6 +223,27 @@ def decision_false_refusals(leans: dict[str, list[dict]], runs: int, compute_dty
     return refused, share
 
 
+# CORE v1's random baselines (percent), from the bundle's eval_meta_data.csv
+RANDOM_BASELINE = {"hellaswag_zeroshot": 25, "arc_easy": 25, "arc_challenge": 25, "copa": 50, "commonsense_qa": 20,
+                   "piqa": 50, "openbook_qa": 25, "hellaswag": 25, "winograd": 50, "winogrande": 50,
+                   "agi_eval_lsat_ar": 20, "boolq": 62, "bigbench_language_identification": 9.1}
+
+
+def official_coverage(share: dict[str, float], compute_dtype: str) -> dict:
+    """verify.coverage for an official bundle whose tasks have the near-tie shares measured here,
+    each task's near-ties drawn as eval-core draws them."""
+    tasks = {}
+    for label, _, _, _, n, *_ in CORE_TASKS:
+        uniform, claimed = min(n, max(VERIFY_MIN_EXAMPLES, math.ceil(VERIFY_FRACTION * n))), round(share[label] * n)
+        tasks[label] = {"examples": n, "random_baseline": RANDOM_BASELINE.get(label, 0.0),
+                        "verified": {"uniform": uniform, "near_ties_claimed": claimed,
+                                     "near_ties": near_ties_to_verify(claimed)}}
+    found = verify.coverage(tasks, compute_dtype)
+    found["examples_verified"] = sum(t["verified"]["uniform"] + t["verified"]["near_ties"] *
+                                     (1 - t["verified"]["uniform"] / t["examples"]) for t in tasks.values())
+    return found
+
+
 TOLERANCES = {"loss": verify.VERIFY_LOSS_TOLERANCE, "greedy": verify.VERIFY_GREEDY_TOLERANCE,
               "token": verify.VERIFY_TOKEN_TOLERANCE,
               "decision": dict(verify.DECISION_ALLOWANCE_NATS)}  # the harness's, before core_differences lifts them
@@ -275,6 +296,10 @@ def main():
               f"{sum(f['near'] for f in flipped)} of them claimed near-ties")
         print(f"CORE verification with the near-ties ({declared}: allowance {verify.decision_allowance(declared)}) on "
               f"{args.bias_runs} official-sized runs: refused {refused}")
+        cover = official_coverage(share, declared)
+        print(f"CORE coverage of an official bundle with these near-tie shares: about "
+              f"{cover['examples_verified']:.0f} examples verified; at a {cover['risk']:.0%} chance of refusal a "
+              f"forger hides {cover['outside_near_ties']} outside the near-ties and {cover['near_ties']} within them")
 
 
 if __name__ == "__main__":

@@ -324,7 +324,7 @@ def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_data
     gold answer, each within every tolerance and the bf16 decision allowance, and leans away from gold
     elsewhere so that the answers' sign test reads like coins. Unverified it gains CORE; the previous
     verification (a uniform sample of 8 of each task's 64 examples, a 0.1-nat allowance in fp32 too:
-    the control) lets it through. With the claimed near-ties verified (all of them, up to 64 a task),
+    the control) lets it through. With the claimed near-ties verified (all of them, up to 128 a task),
     the fp32 model's trusted path refuses any differing decision more than 1e-4 nats from a tie, and in
     bf16 the decisions' sign test sees every flip (28 towards the gold answers). The honest scorer
     passes under 4 secrets."""

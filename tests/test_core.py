@@ -264,7 +264,7 @@ def test_a_token_off_the_trusted_loss_is_refused_though_its_mean_agrees():
 def test_near_ties_are_verified_all_of_a_few_and_a_share_of_many(tmp_path, text_dataset, monkeypatch):
     """evaluate_core draws the uniform sample and then the claimed near-ties: a scorer whose answers tie
     every choice has all of a small task's examples verified; one whose answers are far from ties, the
-    uniform sample alone; near_ties_to_verify takes all of 64, then max(64, 5 %)."""
+    uniform sample alone; near_ties_to_verify takes all of 128, then max(128, 5 %)."""
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     bundle = bundle_from_dir(make_bundle(tmp_path))
     tasks = [t for t in load_tasks(bundle) if t.task_type != "language_modeling"]
@@ -285,7 +285,7 @@ def test_near_ties_are_verified_all_of_a_few_and_a_share_of_many(tmp_path, text_
             drawn = [s.index for s in samples if s.task.label == t.label]
             assert len(drawn) == len(set(drawn)) == (n if tie else min(n, 8)) and v["uniform"] == min(n, 8)
             assert v["near_ties_claimed"] == (n if tie else 0) == v["near_ties"]
-    assert [near_ties_to_verify(c) for c in (0, 5, 64, 65, 1280, 1281, 10000)] == [0, 5, 64, 64, 64, 65, 500]
+    assert [near_ties_to_verify(c) for c in (0, 5, 128, 129, 2560, 2561, 10000)] == [0, 5, 128, 128, 128, 129, 500]
 
 
 def test_coverage_counts_the_flips_a_forger_can_hide():

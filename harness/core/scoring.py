@@ -22,10 +22,10 @@ VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller
 # where a flipped decision could pass every per-example check) are verified: all of a task's (per rank) up
 # to NEAR_TIE_VERIFY_ALL, else this share of them (at least NEAR_TIE_VERIFY_ALL). A weak model's choices
 # are nearly all near-ties (benchmarks/check_tolerances.py: every choice task of a CPU-preset model), so
-# an official bundle verifies about 4,600 of its 92,241 examples instead of 1,875; a larger share buys
-# little: what a forger can hide is then bounded by the small tasks, whose near-ties are all verified
-# (verify.coverage; docs/trust-model.md gives the figures).
-NEAR_TIE_VERIFY_ALL = 64
+# an official bundle verifies about 5,100 of its 92,241 examples instead of 1,875. Sized so that what a
+# forger can hide (verify.coverage) is what the sign test lets through in the smallest task: all of a
+# task's 128 puts winograd's 273 there, and a larger share would verify thousands more for nothing.
+NEAR_TIE_VERIFY_ALL = 128
 NEAR_TIE_VERIFY_FRACTION = 0.05
 
 
