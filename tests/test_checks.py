@@ -494,6 +494,9 @@ def test_under_torchrun_the_lean_of_every_rank_is_tested_together(two_ranks):
     assert honest.returncode == 0, honest.stderr[-3000:]
     verify = json.loads((folder / "checks" / "honest.json").read_text())["verify"]
     assert verify["examples"] == 10 + 10 + 10 + 6 and verify["bias"] == {"answers": [0, 0], "decisions": [0, 0]}
+    tasks = json.loads((folder / "checks" / "honest.json").read_text())["tasks"]  # both ranks' draws, summed
+    assert sum(t["verified"]["uniform"] for t in tasks.values()) == 36 >= verify["coverage"]["near_ties_verified"]
+    assert verify["coverage"]["near_ties_verified"] == sum(t["verified"]["near_ties"] for t in tasks.values()) > 0
     assert honest.stdout.count("verify_lean:") == 1
     assert forged_run.returncode != 0 and "core:" not in forged_run.stdout
     assert LEAN_REFUSAL in forged_run.stderr and "of the 30 verified examples whose answers lean" in forged_run.stderr
