@@ -4,7 +4,7 @@ or an op the backend runs on the host shows up here as it would there. tests/tes
 checks on the kit (and on deliberately broken copies); this script prints them.
 
     python benchmarks/trainium_ready.py census                    # aten ops of the step and the scorers' forwards
-    python benchmarks/trainium_ready.py compile-cost              # first-step compile time and graphs per preset
+    python benchmarks/trainium_ready.py compile-cost [--full-size] # first-step compile: where it goes, graphs
 
 The checks:
 - graphs: the training step's forward and backward (and the scorers' forwards) compile with fullgraph=True;
@@ -261,14 +261,18 @@ def print_census() -> None:
             print(f"    ops: {', '.join(sorted(op.replace('aten.', '') for op in census.ops))}")
 
 
-def compile_cost(names: list[str]) -> None:
-    """The first step compiled with inductor (the CPU's backend) on a cold cache, per preset shape at a tiny
-    width: seconds, and the graphs compiled (the model's forward and backward, and the optimizer's updates,
-    one per parameter shape)."""
-    print("| shape | depth | compile + first step (s) | second step (s) | graphs compiled |")
-    print("| --- | --- | --- | --- | --- |")
+def compile_cost(names: list[str], full_size: bool = False) -> None:
+    """The first step compiled with inductor (the CPU's backend) on a cold cache, per preset shape (at a tiny
+    width, or the preset's own with full_size, in its dtype): where it goes (the model's forward and backward,
+    then the optimizer's updates), the graphs each compiles, and a second step for comparison."""
+    print("| shape | depth | width | forward + backward, first (s) | optimizer, first (s) | second step (s) "
+          "| graphs: model, optimizer |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
-        recipe, options = tiny_recipe(SHAPES[name])
+        if full_size:
+            recipe, options, _ = T.parse_command_line(SHAPES[name])
+        else:
+            recipe, options = tiny_recipe(SHAPES[name])
         with tempfile.TemporaryDirectory() as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             torch._dynamo.reset()
@@ -279,26 +283,31 @@ def compile_cost(names: list[str]) -> None:
             step_model = torch.compile(model, backend="inductor", dynamic=False)
             tokens = torch.randint(0, model.config.vocab_size, (2, recipe.seq_len + 1))
             batches = iter(lambda: (tokens[:, :-1], tokens[:, 1:], {}), None)
-            times = []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                T.apply_schedules(optimizer, 0.5, recipe)
-                T.train_step(step_model, optimizer, batches, 1)
-                times.append(time.perf_counter() - t0)
-            graphs = counter["stats"]["unique_graphs"]
-        print(f"| {name} | {recipe.depth} | {times[0]:.1f} | {times[1]:.2f} | {graphs} |", flush=True)
+            t0 = time.perf_counter()
+            T.apply_schedules(optimizer, 0.5, recipe)
+            step_model(tokens[:, :-1], tokens[:, 1:]).backward()
+            t1, model_graphs = time.perf_counter(), counter["stats"]["unique_graphs"]
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
+            t2, graphs = time.perf_counter(), counter["stats"]["unique_graphs"]
+            T.apply_schedules(optimizer, 0.5, recipe)
+            T.train_step(step_model, optimizer, batches, 1)
+            second = time.perf_counter() - t2
+        print(f"| {name} | {recipe.depth} | {model.config.n_embd} | {t1 - t0:.1f} | {t2 - t1:.1f} | {second:.2f} "
+              f"| {model_graphs}, {graphs - model_graphs} |", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("census", "compile-cost"))
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--full-size", action="store_true", help="compile-cost at the presets' own widths and dtypes")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.what == "census":
         print_census()
     else:
-        compile_cost(args.shapes.split(","))
+        compile_cost(args.shapes.split(","), args.full_size)
     return 0
 
 

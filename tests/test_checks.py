@@ -469,13 +469,14 @@ def test_a_lean_towards_a_heuristic_that_often_picks_gold_is_refused(tmp_path, t
 
 def two_rank_jobs(folder, request) -> list[dict]:
     """eval-core of the kit's checkpoint in the suite's one torchrun launch (conftest's two_ranks), on the
-    near-tie bundle: the honest scorer, and the forger at 0.045 nats towards every gold answer."""
+    near-tie bundle: the honest scorer, and the forger at 0.045 nats towards every gold answer. In bf16 on any
+    host: in fp32 (1e-4) its flipped decisions would be refused before its lean is counted."""
     text_dataset, checkpoint = request.getfixturevalue("text_dataset"), request.getfixturevalue("tiny_checkpoint")
     bundle = make_bundle(folder / "checks", NEAR_TIE_TASKS, make_near_tie_examples)
     forged = towards_gold(folder / "checks", bundle, prepare.ensure_tokenizer(dataset_dir=text_dataset),
                           int(kit_model(checkpoint).cos.shape[1]), 0.045)
-    base = ["eval-core", "--checkpoint", str(checkpoint), "--train-py", str(REPO / "train.py"), "--bundle-dir",
-            str(bundle)]
+    train_py = kit_with_dtype(folder / "checks" / "kit_bf16", "bf16") / "train.py"
+    base = ["eval-core", "--checkpoint", str(checkpoint), "--train-py", str(train_py), "--bundle-dir", str(bundle)]
     env = {"FRONTIER_DATA_DIR": str(text_dataset)}
     return [{"name": f"core_lean_{name}", "env": env,
              "prepare": [*base, "--inference-py", str(inference_py), "--report", str(folder / "checks" / f"{name}.json")]}
