@@ -236,9 +236,9 @@ def official_coverage(share: dict[str, float], compute_dtype: str) -> dict:
     for label, _, _, _, n, *_ in CORE_TASKS:
         uniform, claimed = min(n, max(VERIFY_MIN_EXAMPLES, math.ceil(VERIFY_FRACTION * n))), round(share[label] * n)
         tasks[label] = {"examples": n, "random_baseline": RANDOM_BASELINE.get(label, 0.0),
-                        "verified": {"uniform": uniform, "near_ties_claimed": claimed,
+                        "verified": {"examples": n, "uniform": uniform, "near_ties_claimed": claimed,
                                      "near_ties": near_ties_to_verify(claimed)}}
-    found = verify.coverage(tasks, compute_dtype)
+    found = verify.coverage(tasks, [{label: t["verified"] for label, t in tasks.items()}], compute_dtype)
     found["examples_verified"] = sum(t["verified"]["uniform"] + t["verified"]["near_ties"] *
                                      (1 - t["verified"]["uniform"] / t["examples"]) for t in tasks.values())
     return found

@@ -290,21 +290,42 @@ def test_near_ties_are_verified_all_of_a_few_and_a_share_of_many(tmp_path, text_
 
 def test_coverage_counts_the_flips_a_forger_can_hide():
     """At a 50 % chance of refusal: 34 flips where 2 % of a task is verified and any verified flip is
-    refused, none where every near-tie is verified in fp32, 19 in bf16 (the sign test passes 19 of 19),
-    about 39 in bf16 where half are; each in the task where a flip is worth most CORE."""
+    refused, none where every near-tie is verified in fp32; in bf16, what a task's own decisions sign
+    test lets through with flips away from gold in the same task as ballast (19 with none, more with
+    some); each in the task, and on the rank, where a flip is worth most CORE."""
     assert [verify.flips_hidden(q, 0, 10**4) for q in (0.02, 0.08, 0.5, 1.0)] == [34, 8, 1, 0]
     assert verify.flips_hidden(1.0, 19, 10**4) == 19 and 38 <= verify.flips_hidden(0.5, 19, 10**4) <= 40
     assert verify.flips_hidden(0.01, 0, 20) == 20  # no more than the task has
-    tasks = {"big": {"examples": 10000, "random_baseline": 25.0,
-                     "verified": {"uniform": 200, "near_ties_claimed": 3000, "near_ties": 1500}},
-             "small": {"examples": 100, "random_baseline": 50.0,
-                       "verified": {"uniform": 8, "near_ties_claimed": 40, "near_ties": 40}}}
-    fp32, bf16 = verify.coverage(tasks, "float32"), verify.coverage(tasks, "bfloat16")
+    assert verify.flips_past_sign_test(1.0, 19) == 19 and verify.flips_past_sign_test(1.0, 20) == 19
+    ballast = verify.flips_past_sign_test(1.0, 300)
+    assert 40 < ballast < 100 and verify.sign_test_p(19, 0) >= verify.BIAS_ALPHA > verify.sign_test_p(20, 0)
+    assert verify.flips_past_sign_test(0.5, 300) > ballast  # fewer verified: more hidden
+    tasks = {"big": {"examples": 10000, "random_baseline": 25.0}, "small": {"examples": 100, "random_baseline": 50.0}}
+    one_rank = {"big": {"examples": 10000, "uniform": 200, "near_ties_claimed": 3000, "near_ties": 1500},
+                "small": {"examples": 100, "uniform": 8, "near_ties_claimed": 40, "near_ties": 40}}
+    fp32, bf16 = verify.coverage(tasks, [one_rank], "float32"), verify.coverage(tasks, [one_rank], "bfloat16")
     assert fp32["outside_near_ties"] == {"flips": 8, "core": pytest.approx(8 / (100 * 0.5 * 2)), "task": "small"}
     assert fp32["near_ties"] == {"flips": 1, "core": pytest.approx(1 / (10000 * 0.75 * 2)), "task": "big"}
-    assert bf16["near_ties"] == {"flips": 19, "core": pytest.approx(19 / (100 * 0.5 * 2)), "task": "small"}
+    assert bf16["near_ties"]["task"] == "small" and 19 < bf16["near_ties"]["flips"] <= 60
     assert fp32["near_ties_claimed"] == 3040 and fp32["near_ties_verified"] == 1540
-    assert verify.coverage(tasks, None)["near_ties"] == bf16["near_ties"]  # a model that does not say: bf16's
+    assert verify.coverage(tasks, [one_rank], None)["near_ties"] == bf16["near_ties"]  # undeclared: bf16's
+    # two ranks: one verifies all of its few near-ties, the other 5 % of its many; the bound is the second's
+    split = [{"big": {"examples": 5000, "uniform": 100, "near_ties_claimed": 100, "near_ties": 100}},
+             {"big": {"examples": 5000, "uniform": 100, "near_ties_claimed": 4000, "near_ties": 200}}]
+    pooled = [{"big": {"examples": 10000, "uniform": 200, "near_ties_claimed": 4100, "near_ties": 300}}]
+    assert verify.coverage({"big": tasks["big"]}, split, "float32")["near_ties"]["flips"] == \
+        verify.flips_hidden(200 / 4000, 0, 5000) > verify.coverage({"big": tasks["big"]}, pooled, "float32")[
+            "near_ties"]["flips"]
+
+
+def test_a_task_s_flips_are_tested_on_their_own():
+    """Flips away from gold in one task do not pay for flips towards it in another: 25 towards in a
+    small task beside 25 away in a large one pass the sign test over all tasks and are refused by the
+    small task's own; the message names the task."""
+    bias = {"answers": [0, 0], "decisions": [25, 25], "decisions_by_task": {"small": [25, 0], "large": [0, 25]}}
+    with pytest.raises(CoreError, match="of task 'small'"):
+        verify.refuse_bias(bias)
+    verify.refuse_bias({**bias, "decisions_by_task": {"small": [13, 12], "large": [12, 13]}})
 
 
 # --- clear errors -------------------------------------------------------------------------------

@@ -156,12 +156,21 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
             verification[key] = max(v[key] for v in everyone)
         verification["bias"] = {kind: [sum(v["bias"][kind][i] for v in everyone) for i in range(2)]
                                 for kind in BIAS_COUNTS}
+        by_task: dict[str, list[int]] = {}
+        for v in everyone:
+            for label, counts in v["bias"].get("decisions_by_task", {}).items():
+                by_task[label] = [a + b for a, b in zip(by_task.get(label, [0, 0]), counts)]
+        if by_task:
+            verification["bias"]["decisions_by_task"] = by_task
+    drawn = [{label: t["verified"] for label, t in report["tasks"].items()}]  # each rank's draws
+    if world_size > 1 and verification is not None:
+        import torch.distributed as dist
         drawn = [None] * world_size
         dist.all_gather_object(drawn, {label: t["verified"] for label, t in report["tasks"].items()})
         for label, t in report["tasks"].items():
             t["verified"] = {key: sum(d[label][key] for d in drawn) for key in t["verified"]}
     if verification is not None:
-        verification["coverage"] = coverage(report["tasks"], verification["compute_dtype"])
+        verification["coverage"] = coverage(report["tasks"], drawn, verification["compute_dtype"])
         refuse_bias(verification["bias"])  # every rank holds the same counts, so every rank gives the same verdict
     if rank != 0:
         return 0

@@ -116,7 +116,7 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
         results[task.label] = {"accuracy": accuracy, "centered": centered, "correct": correct, "examples": len(data),
                                "random_baseline": task.random_baseline, "task_type": task.task_type,
                                "num_fewshot": task.num_fewshot, "seconds": seconds,
-                               "verified": {"uniform": wanted, "near_ties_claimed": near_claimed,
+                               "verified": {"examples": len(mine), "uniform": wanted, "near_ties_claimed": near_claimed,
                                             "near_ties": min(near_claimed, near_drawn + near_extra)}}
         log(f"{task.label:<34} accuracy: {accuracy:.4f} | centered: {centered:.4f} | "
             f"examples: {len(data):>5} | time: {seconds:.2f}s")

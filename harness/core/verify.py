@@ -14,7 +14,7 @@ from harness.checks import CheckLog, checked_log_probs, compare_log_probs, toler
 from harness.common import CoreError, EvalRefused
 from harness.config import SPECIAL_TOKENS
 from harness.core.prompts import Request
-from harness.core.scoring import Sample, is_correct, region_mean_losses
+from harness.core.scoring import NEAR_TIE_VERIFY_ALL, Sample, is_correct, region_mean_losses
 from harness.worker.harness_side import ModelForward
 
 # inference.py's answers against the trusted path's (train.py's model, other batches and padding, no
@@ -54,17 +54,26 @@ def claimed_near_tie(task_type: str, request: Request, claimed) -> bool:
     than 2 x VERIFY_LOSS_TOLERANCE (a flip moves both by up to one tolerance). An exact match: a
     token of the claimed match has a claimed loss above ln 2 - VERIFY_TOKEN_TOLERANCE (where the
     trusted path ranks another token first, the continuation's probability is below 1/2, its loss
-    above ln 2). A claimed miss by one token is the same flip the other way: verified alike, so that
-    honest flips are sampled as often away from the gold answer as towards it."""
+    above ln 2). A claimed miss is the same flip the other way, verified alike so that honest flips
+    are sampled as often away from the gold answer as towards it: where the trusted path ranks the
+    continuation first at every missed token, each is within VERIFY_GREEDY_TOLERANCE of the claimed
+    prediction there, so its loss is at least ln(1 + e^-0.25). Bounds are inclusive (<=, >=), so
+    that a 50/50 split, rounded, still counts. Empty scored regions decide nothing and count for
+    neither."""
     if task_type != "language_modeling":
-        means = sorted(region_mean_losses(request, claimed))
-        return len(means) > 1 and means[1] - means[0] < 2 * VERIFY_LOSS_TOLERANCE
+        means = sorted(m for m, s, e in zip(region_mean_losses(request, claimed), request.starts, request.ends)
+                       if e > s)
+        return len(means) > 1 and means[1] - means[0] <= 2 * VERIFY_LOSS_TOLERANCE
     (losses, greedy), s, e = claimed[0], request.starts[0], request.ends[0]
-    misses = int((np.asarray(greedy)[s - 1:e - 1] != np.asarray(request.sequences[0][s:e])).sum())
-    if misses == 0:
-        return bool(e > s and np.asarray(losses, dtype=np.float64)[s - 1:e - 1].max() >
-                    math.log(2) - VERIFY_TOKEN_TOLERANCE)
-    return misses == 1
+    if e <= s:
+        return False
+    losses = np.asarray(losses, dtype=np.float64)[s - 1:e - 1]
+    missed = np.asarray(greedy)[s - 1:e - 1] != np.asarray(request.sequences[0][s:e])
+    if not missed.any():
+        return bool(losses.max() >= math.log(2) - VERIFY_TOKEN_TOLERANCE)
+    # a missed token the trusted path ranks first is within the greedy tolerance of the claimed one:
+    # its probability is at most 1 / (1 + e^-VERIFY_GREEDY_TOLERANCE), its loss at least the log of the inverse
+    return bool((losses[missed] >= math.log1p(math.exp(-VERIFY_GREEDY_TOLERANCE)) - VERIFY_TOKEN_TOLERANCE).all())
 
 
 # Bias. Honest differences between inference.py and the trusted path are rounding: they lean towards
@@ -150,6 +159,8 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
     theirs = region_mean_losses(r, sample.claimed)
     worst = {"loss": 0.0, "token": 0.0, "greedy": 0.0, "margin_flipped": 0.0, "flipped": False}
     for j, (a, b) in enumerate(zip(ours, theirs)):
+        if r.ends[j] <= r.starts[j]:
+            continue  # an empty scored region (a choice whose tokens another's begin with): no loss on either side
         worst["loss"] = max(worst["loss"], abs(a - b))
         if not abs(a - b) <= VERIFY_LOSS_TOLERANCE:
             raise CoreError(f"inference.py's answer differs from the trusted model on task {task.label!r}, example "
@@ -199,6 +210,7 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
         worst["margin_flipped"], worst["flipped"] = margin, True
     worst["lean"] = lean_towards_gold(sample, ours, theirs, lps)
     worst["decision_lean"] = int(claimed_correct) - int(trusted_correct)  # +1: only inference.py is right
+    worst["task"] = task.label
     return worst
 
 
@@ -247,16 +259,19 @@ BIAS_COUNTS = {
 def refuse_bias(bias: dict) -> None:
     """CoreError when inference.py leans towards the gold answers beyond what rounding explains:
     bias[kind] = [towards, away] for each of BIAS_COUNTS (the verified examples of every rank
-    together), refused where the sign test's p < BIAS_ALPHA."""
-    for kind, what in BIAS_COUNTS.items():
-        towards, away = bias[kind]
+    together), and bias["decisions_by_task"][label] the same for each task's differing decisions (so
+    that flips away from gold in a large task cannot pay for flips towards it in a small one), each
+    refused where the sign test's p < BIAS_ALPHA."""
+    counts = [(kind, "", bias[kind]) for kind in BIAS_COUNTS]
+    counts += [("decisions", f" of task {label!r}", c) for label, c in sorted(bias.get("decisions_by_task", {}).items())]
+    for kind, where, (towards, away) in counts:
         p = sign_test_p(towards, away)
         if not p >= BIAS_ALPHA:
             raise CoreError(f"inference.py's answers lean towards the gold answers beyond what rounding explains: of "
-                            f"the {towards + away} {what.format(floor=BIAS_FLOOR_NATS)}, {towards} favour the gold "
-                            f"answer and {away} the trusted path's (honest differences lean either way: p = {p:.2g} "
-                            f"that fair coins lean this far, refused below {BIAS_ALPHA:g}). The inference path must "
-                            "score the trained model")
+                            f"the {towards + away} {BIAS_COUNTS[kind].format(floor=BIAS_FLOOR_NATS)}{where}, "
+                            f"{towards} favour the gold answer and {away} the trusted path's (honest differences "
+                            f"lean either way: p = {p:.2g} that fair coins lean this far, refused below "
+                            f"{BIAS_ALPHA:g}). The inference path must score the trained model")
 
 
 def count_lean(bias: dict, found: dict) -> None:
@@ -265,6 +280,7 @@ def count_lean(bias: dict, found: dict) -> None:
         bias["answers"][found["lean"] < 0] += 1
     if found["decision_lean"]:
         bias["decisions"][found["decision_lean"] < 0] += 1
+        bias.setdefault("decisions_by_task", {}).setdefault(found["task"], [0, 0])[found["decision_lean"] < 0] += 1
 
 
 REFUSAL_RISK = 0.5  # the chance of refusal at which coverage() counts the flips a forger can hide
@@ -282,29 +298,49 @@ def flips_hidden(q: float, passes: int, most: int) -> int:
     return most
 
 
-def coverage(tasks: dict, compute_dtype: str | None) -> dict:
+def flips_past_sign_test(q: float, verified: int) -> int:
+    """The most flips towards the gold answers, net of flips away from them in the same task (ballast
+    that lets more through), that a task's decisions sign test passes when each flip is verified with
+    chance q and at most `verified` of them can be: the largest towards - away over the verified
+    counts that pass, divided by q (expected counts)."""
+    best, towards = 0, 0
+    for away in range(verified + 1):
+        while towards + away < verified and sign_test_p(towards + 1, away) >= BIAS_ALPHA:
+            towards += 1
+        if towards + away > verified:
+            break
+        best = max(best, int((towards - away) / q))
+    return best
+
+
+def coverage(tasks: dict, ranks: list[dict], compute_dtype: str | None) -> dict:
     """What this run's verification can see: per class of flip, the most flips a forger hides at a
-    REFUSAL_RISK chance of refusal, in the task where they are worth most, and the CORE they are worth.
-    tasks[label]: evaluate_core's report of the task, with "verified" summed over the ranks. A flip
-    outside the claimed near-ties fails the tolerances wherever it is verified (the uniform sample);
-    one inside is verified at the near-tie rate, and refused there in fp32 (beyond the 1e-4 allowance)
-    or, in bf16, once the decisions' sign test sees more verified flips towards the gold answers than
-    fair coins would give (19 of 19 pass: BIAS_ALPHA)."""
-    passes = max(n for n in range(64) if sign_test_p(n, 0) >= BIAS_ALPHA)
-    near_passes = 0 if decision_allowance(compute_dtype) is DECISION_ALLOWANCE_NATS["float32"] else passes
+    REFUSAL_RISK chance of refusal, in the task and on the rank where they are worth most, and the CORE
+    they are worth. tasks[label]: evaluate_core's report of the task; ranks: each rank's draws,
+    {label: report["tasks"][label]["verified"]} (a forger knows which rank scores which example, so
+    the rank that verifies least is the bound). A flip outside the claimed near-ties fails the
+    tolerances wherever it is verified (the uniform sample); one inside is verified at the near-tie
+    rate, and refused there in fp32 (beyond the 1e-4 allowance) or, in bf16, only through the
+    decisions' sign tests: per task, where flips away from gold in the same task can buy more flips
+    towards it (flips_past_sign_test)."""
+    fp32 = decision_allowance(compute_dtype) is DECISION_ALLOWANCE_NATS["float32"]
     out = {"risk": REFUSAL_RISK, "near_ties_claimed": 0, "near_ties_verified": 0}
     for kind in ("outside_near_ties", "near_ties"):
         out[kind] = {"flips": 0, "core": 0.0, "task": None}
-    for label, t in tasks.items():
-        v, n = t["verified"], t["examples"]
-        worth = 1 / (n * (1 - 0.01 * t["random_baseline"]) * len(tasks))  # CORE per flipped decision
-        out["near_ties_claimed"] += v["near_ties_claimed"]
-        out["near_ties_verified"] += v["near_ties"]
-        near_rate = v["near_ties"] / v["near_ties_claimed"] if v["near_ties_claimed"] else 1.0  # none: all verified
-        for kind, q, limit in (("outside_near_ties", v["uniform"] / n, 0), ("near_ties", near_rate, near_passes)):
-            flips = flips_hidden(q, limit, n)
-            if flips * worth > out[kind]["core"]:
-                out[kind] = {"flips": flips, "core": flips * worth, "task": label}
+    for drawn in ranks:
+        for label, v in drawn.items():
+            t, n = tasks[label], v["examples"]  # n: the examples this rank scored
+            worth = 1 / (t["examples"] * (1 - 0.01 * t["random_baseline"]) * len(tasks))  # CORE per flip
+            out["near_ties_claimed"] += v["near_ties_claimed"]
+            out["near_ties_verified"] += v["near_ties"]
+            near_rate = v["near_ties"] / v["near_ties_claimed"] if v["near_ties_claimed"] else 1.0  # none: all
+            # the near-ties a forger's flips could be verified among: this run's, or all of a task's few
+            verifiable = max(v["near_ties"], min(n, NEAR_TIE_VERIFY_ALL))
+            for kind, flips in (("outside_near_ties", flips_hidden(v["uniform"] / n if n else 1.0, 0, n)),
+                                ("near_ties", flips_hidden(near_rate, 0, n) if fp32 else
+                                 min(n, flips_past_sign_test(near_rate, verifiable)))):
+                if flips * worth > out[kind]["core"]:
+                    out[kind] = {"flips": flips, "core": flips * worth, "task": label}
     return out
 
 
