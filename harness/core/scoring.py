@@ -101,10 +101,11 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
                     samples.append(Sample(task, r, answer, i))
                     near_drawn += near
                 elif near:
-                    near_rest.append(Sample(task, r, answer, i))
+                    near_rest.append((i, answer))  # the request is rebuilt for the few drawn: it is the large part
         near_claimed = near_drawn + len(near_rest)
         near_extra = max(0, near_ties_to_verify(near_claimed) - near_drawn)
-        samples += sorted(rng.sample(near_rest, min(near_extra, len(near_rest))), key=lambda x: x.index)
+        samples += [Sample(task, build_request(task, data, i, tokenizer, max_len), answer, i)
+                    for i, answer in sorted(rng.sample(near_rest, min(near_extra, len(near_rest))), key=lambda x: x[0])]
         if world_size > 1:
             import torch.distributed as dist
             total = torch.tensor([correct], dtype=torch.long)
