@@ -39,8 +39,8 @@ from harness.common import CoreError  # noqa: E402
 from harness.core import verify  # noqa: E402  (a module: core_differences lifts its tolerances)
 from harness.core.bundle import Task  # noqa: E402
 from harness.core.prompts import Request, build_request  # noqa: E402
-from harness.core.scoring import (VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, Sample, near_ties_to_verify,  # noqa: E402
-                                  region_mean_losses)
+from harness.core.scoring import (VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, Sample, claimed_near_tie,  # noqa: E402
+                                  near_ties_to_verify, region_mean_losses)
 from harness import metric as M  # noqa: E402
 from harness.submission import copy_submission  # noqa: E402
 from core_throughput import CORE_TASKS, imitation  # noqa: E402
@@ -140,7 +140,7 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
             try:
                 found = verify.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"),
                                                                                      "exact_match": float("inf")}})
-                found["near"] = verify.claimed_near_tie(task_type, r, answer)
+                found["near"] = claimed_near_tie(task_type, r, answer)  # by the tolerances: scoring's stay
                 found["lm"] = task_type == "language_modeling"
                 greedy_gap = max(greedy_gap, found["greedy"])
                 if found["flipped"]:

@@ -19,7 +19,8 @@ from harness.core import verify
 from harness.core.bundle import Task, bundle_from_dir, ensure_bundle, load_examples, load_tasks
 from harness.core.prompts import (Request, fewshot_indices, render_language_modeling, render_multiple_choice,
                                   render_schema, scored_regions, shuffled_and_capped, truncate_left)
-from harness.core.scoring import Sample, centered_accuracy, evaluate_core, is_correct, near_ties_to_verify
+from harness.core.scoring import (Sample, centered_accuracy, claimed_near_tie, evaluate_core, is_correct,
+                                  near_ties_to_verify)
 from harness import download
 from core_bundle import expected_core, make_bundle
 from helpers import REPO, can_drop_kernel_caches, prepare_in_process
@@ -236,7 +237,7 @@ def test_every_flip_that_passes_the_checks_is_a_claimed_near_tie():
             found = verify.trusted_decision_check(sample, lps, tol)
         except CoreError:
             continue
-        near = verify.claimed_near_tie(sample.task.task_type, request, claimed)
+        near = claimed_near_tie(sample.task.task_type, request, claimed)
         not_near += not near
         if found["flipped"]:
             flips[lm] += 1

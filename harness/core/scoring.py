@@ -18,7 +18,7 @@ from harness.core.prompts import Request, build_request
 EXAMPLES_PER_CALL = 256  # examples whose sequences go to the scorer in one call (it batches them)
 VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted path (secret sample)
 VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
-# Besides that uniform sample, the examples whose claimed decision is a near-tie (verify.claimed_near_tie:
+# Besides that uniform sample, the examples whose claimed decision is a near-tie (claimed_near_tie:
 # where a flipped decision could pass every per-example check) are verified: all of a task's (per rank) up
 # to NEAR_TIE_VERIFY_ALL, else this share of them (at least NEAR_TIE_VERIFY_ALL). A weak model's choices
 # are nearly all near-ties (benchmarks/check_tolerances.py: every choice task of a CPU-preset model), so
@@ -27,6 +27,21 @@ VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller
 # task's 128 puts winograd's 273 there, and a larger share would verify thousands more for nothing.
 NEAR_TIE_VERIFY_ALL = 128
 NEAR_TIE_VERIFY_FRACTION = 0.05
+
+# inference.py's answers against the trusted path's (train.py's model, other batches and padding, no
+# prefix cache). Measured (benchmarks/check_tolerances.py --examples 40: a CPU-preset model trained 2
+# minutes, 879 imitated examples of the 22 tasks at up to 1,024 tokens, CPU): bf16 per-token log-probs
+# differ by up to 0.0442 nats and mean losses by up to 0.0187 (fp32: 3.8e-6 and 1.9e-6); the bf16 gap is
+# the logits' own rounding (a bf16 logit near 16 moves in steps of 0.0625). Each tolerance is at least
+# 2.5 times the honest difference it bounds, rounded up. verify.py applies them; they stand here because
+# claimed_near_tie, which picks the examples to verify, reads them.
+VERIFY_LOSS_TOLERANCE = 0.1  # nats: a choice's mean loss, inference.py's vs the trusted one (5.3x 0.0187)
+# a claimed greedy token's log-prob may trail the trusted best by this: at a near-tie both log-probs
+# move, so an honest gap reaches twice the per-token difference (2 x 0.0442 x 2.5 = 0.22)
+VERIFY_GREEDY_TOLERANCE = 0.25
+# each claimed token loss of a scored region, inference.py's vs the trusted one (5.7x 0.0442): it bounds
+# the claimed loss of a token an exact match hinges on, which claimed_near_tie reads
+VERIFY_TOKEN_TOLERANCE = 0.25
 
 
 # scored[i] = (losses, greedy) of sequence i: losses[t] = -log p(seq[t+1] | seq[:t+1]),
@@ -65,6 +80,35 @@ def near_ties_to_verify(claimed: int) -> int:
     return min(claimed, max(NEAR_TIE_VERIFY_ALL, math.ceil(NEAR_TIE_VERIFY_FRACTION * claimed)))
 
 
+def claimed_near_tie(task_type: str, request: Request, claimed) -> bool:
+    """Whether inference.py's own answers (claimed: (losses, greedy) per sequence) put an example where
+    a decision that differs from the trusted path's could pass trusted_decision_check, so that
+    evaluate_core verifies it more often. A choice: the claimed best mean loss leads the next by less
+    than 2 x VERIFY_LOSS_TOLERANCE (a flip moves both by up to one tolerance). An exact match: a
+    token of the claimed match has a claimed loss above ln 2 - VERIFY_TOKEN_TOLERANCE (where the
+    trusted path ranks another token first, the continuation's probability is below 1/2, its loss
+    above ln 2). A claimed miss is the same flip the other way, verified alike so that honest flips
+    are sampled as often away from the gold answer as towards it: where the trusted path ranks the
+    continuation first at every missed token, each is within VERIFY_GREEDY_TOLERANCE of the claimed
+    prediction there, so its loss is at least ln(1 + e^-0.25). Bounds are inclusive (<=, >=), so
+    that a 50/50 split, rounded, still counts. Empty scored regions decide nothing and count for
+    neither."""
+    if task_type != "language_modeling":
+        means = sorted(m for m, s, e in zip(region_mean_losses(request, claimed), request.starts, request.ends)
+                       if e > s)
+        return len(means) > 1 and means[1] - means[0] <= 2 * VERIFY_LOSS_TOLERANCE
+    (losses, greedy), s, e = claimed[0], request.starts[0], request.ends[0]
+    if e <= s:
+        return False
+    losses = np.asarray(losses, dtype=np.float64)[s - 1:e - 1]
+    missed = np.asarray(greedy)[s - 1:e - 1] != np.asarray(request.sequences[0][s:e])
+    if not missed.any():
+        return bool(losses.max() >= math.log(2) - VERIFY_TOKEN_TOLERANCE)
+    # a missed token the trusted path ranks first is within the greedy tolerance of the claimed one:
+    # its probability is at most 1 / (1 + e^-VERIFY_GREEDY_TOLERANCE), its loss at least the log of the inverse
+    return bool((losses[missed] >= math.log1p(math.exp(-VERIFY_GREEDY_TOLERANCE)) - VERIFY_TOKEN_TOLERANCE).all())
+
+
 def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[dict]], max_len: int | None,
                   examples_per_call: int = EXAMPLES_PER_CALL, log=print, rank: int = 0, world_size: int = 1,
                   verify_fraction: float = VERIFY_FRACTION, rng: random.Random | None = None
@@ -74,7 +118,6 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
     own answers put at a near-tie, made after. score(sequences) -> [(losses, greedy)]. Under
     torchrun each rank scores every world_size-th example (as nanochat strides them) and the counts
     are summed (the samples stay per rank)."""
-    from harness.core.verify import claimed_near_tie  # here: verify.py imports this module
     rng = rng or random.SystemRandom()
     results, samples, total_t0 = {}, [], time.time()
     for task in tasks:

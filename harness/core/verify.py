@@ -14,22 +14,10 @@ from harness.checks import CheckLog, checked_log_probs, compare_log_probs, toler
 from harness.common import CoreError, EvalRefused
 from harness.config import SPECIAL_TOKENS
 from harness.core.prompts import Request
-from harness.core.scoring import NEAR_TIE_VERIFY_ALL, Sample, is_correct, region_mean_losses
+from harness.core.scoring import (NEAR_TIE_VERIFY_ALL, VERIFY_GREEDY_TOLERANCE, VERIFY_LOSS_TOLERANCE,  # noqa: F401
+                                  VERIFY_TOKEN_TOLERANCE, Sample, is_correct, region_mean_losses)
 from harness.worker.harness_side import ModelForward
 
-# inference.py's answers against the trusted path's (train.py's model, other batches and padding, no
-# prefix cache). Measured (benchmarks/check_tolerances.py --examples 40: a CPU-preset model trained 2
-# minutes, 879 imitated examples of the 22 tasks at up to 1,024 tokens, CPU): bf16 per-token log-probs
-# differ by up to 0.0442 nats and mean losses by up to 0.0187 (fp32: 3.8e-6 and 1.9e-6); the bf16 gap is
-# the logits' own rounding (a bf16 logit near 16 moves in steps of 0.0625). Each tolerance is at least
-# 2.5 times the honest difference it bounds, rounded up:
-VERIFY_LOSS_TOLERANCE = 0.1  # nats: a choice's mean loss, inference.py's vs the trusted one (5.3x 0.0187)
-# a claimed greedy token's log-prob may trail the trusted best by this: at a near-tie both log-probs
-# move, so an honest gap reaches twice the per-token difference (2 x 0.0442 x 2.5 = 0.22)
-VERIFY_GREEDY_TOLERANCE = 0.25
-# each claimed token loss of a scored region, inference.py's vs the trusted one (5.7x 0.0442): it bounds
-# the claimed loss of a token an exact match hinges on, which claimed_near_tie reads
-VERIFY_TOKEN_TOLERANCE = 0.25
 # A decision of inference.py's that differs from the trusted path's is accepted only where the trusted
 # decision is this close to flipping (nats), by the trusted path's compute dtype: the honest difference
 # can flip a near-tie, and nothing more. Either side of a tie may move, so twice the measured
@@ -45,35 +33,6 @@ DECISION_ALLOWANCE_NATS = {"float32": {"choice": 1e-4, "exact_match": 1e-4},
 def decision_allowance(compute_dtype: str | None) -> dict:
     """The decision allowance for the trusted path's compute dtype (bf16's when the model does not say)."""
     return DECISION_ALLOWANCE_NATS.get(compute_dtype or "bfloat16", DECISION_ALLOWANCE_NATS["bfloat16"])
-
-
-def claimed_near_tie(task_type: str, request: Request, claimed) -> bool:
-    """Whether inference.py's own answers (claimed: (losses, greedy) per sequence) put an example where
-    a decision that differs from the trusted path's could pass trusted_decision_check, so that
-    evaluate_core verifies it more often. A choice: the claimed best mean loss leads the next by less
-    than 2 x VERIFY_LOSS_TOLERANCE (a flip moves both by up to one tolerance). An exact match: a
-    token of the claimed match has a claimed loss above ln 2 - VERIFY_TOKEN_TOLERANCE (where the
-    trusted path ranks another token first, the continuation's probability is below 1/2, its loss
-    above ln 2). A claimed miss is the same flip the other way, verified alike so that honest flips
-    are sampled as often away from the gold answer as towards it: where the trusted path ranks the
-    continuation first at every missed token, each is within VERIFY_GREEDY_TOLERANCE of the claimed
-    prediction there, so its loss is at least ln(1 + e^-0.25). Bounds are inclusive (<=, >=), so
-    that a 50/50 split, rounded, still counts. Empty scored regions decide nothing and count for
-    neither."""
-    if task_type != "language_modeling":
-        means = sorted(m for m, s, e in zip(region_mean_losses(request, claimed), request.starts, request.ends)
-                       if e > s)
-        return len(means) > 1 and means[1] - means[0] <= 2 * VERIFY_LOSS_TOLERANCE
-    (losses, greedy), s, e = claimed[0], request.starts[0], request.ends[0]
-    if e <= s:
-        return False
-    losses = np.asarray(losses, dtype=np.float64)[s - 1:e - 1]
-    missed = np.asarray(greedy)[s - 1:e - 1] != np.asarray(request.sequences[0][s:e])
-    if not missed.any():
-        return bool(losses.max() >= math.log(2) - VERIFY_TOKEN_TOLERANCE)
-    # a missed token the trusted path ranks first is within the greedy tolerance of the claimed one:
-    # its probability is at most 1 / (1 + e^-VERIFY_GREEDY_TOLERANCE), its loss at least the log of the inverse
-    return bool((losses[missed] >= math.log1p(math.exp(-VERIFY_GREEDY_TOLERANCE)) - VERIFY_TOKEN_TOLERANCE).all())
 
 
 # Bias. Honest differences between inference.py and the trusted path are rounding: they lean towards
