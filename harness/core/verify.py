@@ -13,8 +13,7 @@ import torch
 from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
 from harness.common import CoreError, EvalRefused
 from harness.config import SPECIAL_TOKENS
-from harness.core.prompts import Request
-from harness.core.scoring import (NEAR_TIE_VERIFY_ALL, VERIFY_GREEDY_TOLERANCE, VERIFY_LOSS_TOLERANCE,  # noqa: F401
+from harness.core.scoring import (NEAR_TIE_VERIFY_ALL, VERIFY_GREEDY_TOLERANCE, VERIFY_LOSS_TOLERANCE,
                                   VERIFY_TOKEN_TOLERANCE, Sample, is_correct, region_mean_losses)
 from harness.worker.harness_side import ModelForward
 
