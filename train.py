@@ -513,6 +513,21 @@ def muon_update(grads: list[torch.Tensor], weights: list[torch.Tensor], momentum
     return weights - (lr * update + decay * weights)
 
 
+def update_groups(work: list[dict], hyper: list[dict]) -> None:
+    """One optimizer step, in place, for every group: `work` holds each group's parameters, gradients, state
+    and fixed settings, `hyper` its lr, momentum and weight decay as 0-D device tensors."""
+    for w, h in zip(work, hyper):
+        if w["kind"] == "muon" and w["params"]:
+            new = muon_update(w["grads"], w["params"], w["momentum"], w["second_moment"], h["lr"], h["momentum"],
+                              h["weight_decay"], w["beta2"], w["ns_steps"], w["ns_dtype"])
+            for p, value in zip(w["params"], new.unbind(0)):
+                p.copy_(value)
+        elif w["kind"] == "adamw":
+            for p, grad, state in zip(w["params"], w["grads"], w["states"]):
+                adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], h["lr"],
+                             h["weight_decay"], *w["betas"], w["eps"])
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """The update rule, two of them, from each parameter's value and gradient (p, p.grad) alone. Groups of
     kind 'muon' hold same-shaped matrices, updated together: Nesterov momentum, Polar Express, NorMuon
@@ -522,7 +537,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     The per-step hyperparameters (SCHEDULED) are plain numbers in each param group, written as in nanochat
     (`group["lr"] = ...`); each step copies them, with one host-to-device copy, into 0-D device tensors that
-    the updates read, so `compile_backend` compiles each update once: a new value is data, not a new graph."""
+    the update reads, so `compile_backend` compiles the step once: a new value is data, not a new graph."""
 
     SCHEDULED = ("lr", "momentum", "weight_decay")
 
@@ -546,9 +561,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 for p in params:
                     self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros_like(p),
                                          exp_avg_sq=torch.zeros_like(p))
-        compiled = (lambda f: torch.compile(f, backend=compile_backend, dynamic=False, fullgraph=True)) \
-            if compile_backend else (lambda f: f)
-        self._adamw_update, self._muon_update = compiled(adamw_update), compiled(muon_update)
+        # One graph for the whole step: compiled per update and per parameter shape, the first step compiled
+        # 7 graphs, twice as slow to build (benchmarks/trainium_ready.py compile-cost).
+        self._update = torch.compile(update_groups, backend=compile_backend, dynamic=False, fullgraph=True) \
+            if compile_backend else update_groups
 
     def _device_hyperparameters(self) -> list[dict]:
         """Each group's lr, momentum and weight_decay as it stands now, as 0-D device tensors (one copy)."""
@@ -567,21 +583,19 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        for group, hyper in zip(self.param_groups, self._device_hyperparameters()):
-            params = group["params"]
-            if group["kind"] == "muon" and params:
-                state = self.state[params[0]]
-                new = self._muon_update([p.grad for p in params], params, state["momentum"], state["second_moment"],
-                                        hyper["lr"], hyper["momentum"], hyper["weight_decay"], group["beta2"],
-                                        group["ns_steps"], group["ns_dtype"])
-                torch._foreach_copy_(params, list(new.unbind(0)))
-            elif group["kind"] == "adamw":
-                beta1, beta2 = group["betas"]
-                for p in params:
-                    if p.grad is not None:
-                        state = self.state[p]
-                        self._adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                                           hyper["lr"], hyper["weight_decay"], beta1, beta2, group["eps"])
+        work = []
+        for group in self.param_groups:
+            if group["kind"] == "muon" and group["params"]:  # a stack: every matrix has a gradient
+                params, state = group["params"], self.state[group["params"][0]]
+                work.append(dict(kind="muon", params=params, grads=[p.grad for p in params],
+                                 momentum=state["momentum"], second_moment=state["second_moment"],
+                                 beta2=group["beta2"], ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"]))
+            else:
+                params = [p for p in group["params"] if p.grad is not None]
+                work.append(dict(kind=group["kind"], params=params, grads=[p.grad for p in params],
+                                 states=[self.state[p] for p in params], betas=group.get("betas"),
+                                 eps=group.get("eps")))
+        self._update(work, self._device_hyperparameters())
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

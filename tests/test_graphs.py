@@ -90,6 +90,20 @@ def compiles_after_the_first_step(argv, monkeypatch, train_main) -> tuple[int, i
     return seen[0], counter.graphs - seen[0]
 
 
+def test_the_optimizer_step_is_one_graph_for_every_group_and_shape():
+    recipe, options = R.tiny_recipe(["--depth", "2"])
+    model = T.build_model(T.model_config(recipe), "cpu", recipe.dtype)
+    counter = R.CompileCount()
+    optimizer = T.build_optimizer(model, recipe, options, None, counter, compiled=True)
+    assert len({tuple(p.shape) for p in model.parameters()}) > 2 and len(optimizer.param_groups) > 2
+    for step in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        T.apply_schedules(optimizer, 0.1 + 0.4 * step, recipe)  # new values are data, not a new graph
+        optimizer.step()
+        assert counter.graphs == 1
+
+
 SCHEDULES_MOVING = ["--max-steps", "20", "--warmup-ratio", "0.2", "--warmdown-ratio", "0.5",
                     "--muon-momentum-warmup-ratio", "0.5", "--compile"]
 

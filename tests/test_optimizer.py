@@ -42,7 +42,7 @@ def test_compiled_update_equals_eager_and_new_hyperparameters_do_not_recompile()
         optimizers.append(T.build_optimizer(models[-1], recipe, options, ns_dtype=None, compile_backend="inductor",
                                             compiled=mode == "on"))
     eager, compiled = optimizers
-    assert eager.optimizer._muon_update is T.muon_update and compiled.optimizer._muon_update is not T.muon_update
+    assert eager.optimizer._update is T.update_groups and compiled.optimizer._update is not T.update_groups
     for step in range(3):
         for model, optimizer in zip(models, optimizers):
             set_gradients(model, seed=step)
@@ -198,9 +198,9 @@ def test_the_update_is_compiled_with_compile_and_sharded_only_across_ranks():
     model = tiny_model()
     auto = T.build_optimizer(model, T.Recipe())
     assert not auto.shard  # one process
-    assert auto.optimizer._adamw_update is T.adamw_update  # compiled only with --compile
-    assert T.build_optimizer(model, T.Recipe(), T.RunOptions(compile=True)).optimizer._adamw_update \
-        is not T.adamw_update
+    assert auto.optimizer._update is T.update_groups  # compiled only with --compile
+    assert T.build_optimizer(model, T.Recipe(), T.RunOptions(compile=True)).optimizer._update \
+        is not T.update_groups
 
 
 @pytest.mark.slow
