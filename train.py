@@ -463,7 +463,7 @@ POLAR_EXPRESS_COEFFS = (
 
 
 def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Approximately orthogonalize each matrix of g [..., M, N] (U V^T of its SVD). bf16 is enough
+    """Approximately orthogonalize each matrix of g [B, M, N] (U V^T of its SVD). bf16 is enough
     for the iteration (and fast); fp32 runs keep it in fp32."""
     x = g.to(dtype)
     x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
@@ -472,7 +472,7 @@ def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat
         x = x.mT
     for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b g + c g²) x
     return x.mT if tall else x
 
 
