@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -49,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED,
-                     TRAIN_TIME_BUDGET_SECONDS, ensure_tokenizer, evaluate_bpb, get_dist_info,
+                     TRAIN_TIME_BUDGET_SECONDS, _row_groups_for_split, ensure_tokenizer, evaluate_bpb, get_dist_info,
                      make_dataloader, print0, record_step_boundary)
 
 # ===============================================================================================
@@ -1696,6 +1697,42 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
     return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
 
 
+# A row starts at a document's start, so rows of 256 train only each document's first 257 tokens. Once a run
+# has read those about twice, rows twice as long win: benchmarks/preset_campaign.py put the crossing between
+# 1.3 and 2.1 passes (docs/presets-and-benchmarks.md). It measured one doubling, 256 to 512.
+MAX_PASSES = 2.0
+# The cpu preset's MFU on the 2-core machines, what the rule expects of a run it has not started yet
+EXPECTED_MFU = {None: 0.46, torch.bfloat16: 0.33}  # by compute dtype (None: fp32)
+
+
+def training_documents() -> int:
+    """Documents in the training split, from the shards' parquet metadata (nothing is read)."""
+    return sum(pq.ParquetFile(path).metadata.row_group(group).num_rows
+               for path, group in _row_groups_for_split("train", 0, 1))
+
+
+def passes_over_reach(tokens: float, documents: int, seq_len: int) -> float:
+    """How many times `tokens` of training read what rows of seq_len reach: at most seq_len + 1 tokens of
+    each document (all of it where shorter, so this is the fewest passes)."""
+    return tokens / (documents * (seq_len + 1))
+
+
+def rows_for_budget(recipe: Recipe, flops_per_second: float, documents: int) -> tuple[int, str]:
+    """(row length, why): --seq-len, or twice it where the budget's tokens at flops_per_second (achieved, all
+    ranks) would pass MAX_PASSES times or more over what rows of --seq-len reach. Pure."""
+    def passes(seq_len: int) -> float:
+        with torch.device("meta"):
+            flops_per_token = GPT(model_config(dataclasses.replace(recipe, seq_len=seq_len))).flops_per_token()
+        return passes_over_reach(recipe.time_budget * flops_per_second / flops_per_token, documents, seq_len)
+
+    short, long = recipe.seq_len, 2 * recipe.seq_len
+    seq_len = long if passes(short) >= MAX_PASSES else short
+    return seq_len, (f"rows of {seq_len} (--rows-for-budget): {recipe.time_budget:.0f}s at "
+                     f"{flops_per_second / 1e12:.2f} TFLOP/s would pass {passes(short):.1f} times over the first {short + 1} tokens of the "
+                     f"{documents:,} training documents, {passes(long):.1f} times over their first {long + 1} (rows "
+                     f"twice as long from {MAX_PASSES:g} passes)")
+
+
 # -----------------------------------------------------------------------------------------------
 # The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it
 # -----------------------------------------------------------------------------------------------
@@ -1959,6 +1996,7 @@ class RunOptions:
     save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none)
     resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
     log_every: int = 10  # print a progress line every this many steps
+    rows_for_budget: bool = False  # double --seq-len where the budget would read its rows' text twice (rows_for_budget)
     peak_tflops: float = 0.0  # the peak TFLOP/s per rank that MFU divides by (0: the datasheet's, or measured)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
@@ -1986,10 +2024,11 @@ ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL"
 
 PRESETS = {
     # A laptop CPU for 5 minutes: benchmarks/preset_sweep.py's winner at 300 s on 2 cores, ~600 steps of 4K
-    # tokens; compiled, since eager elementwise work on the 8192-wide logits dominates a CPU step. Once a run
-    # passes over the text twice (`epoch: 3`), --seq-len 512 wins (benchmarks/preset_campaign.py).
+    # tokens; compiled, since eager elementwise work on the 8192-wide logits dominates a CPU step. Rows of 512
+    # where the budget would pass twice over what rows of 256 reach (rows_for_budget).
     "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
-                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, **ADOPTED_INGREDIENTS),
+                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, rows_for_budget=True,
+                **ADOPTED_INGREDIENTS),
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
     "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0,
                 **ADOPTED_INGREDIENTS),
@@ -2117,9 +2156,16 @@ def main(argv=None) -> int:
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
     setup_kernels(options, device_type, config)
     profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
+    rows_note = ""
+    if options.rows_for_budget:
+        expected = profile.peak_flops * get_dist_info()[3] * EXPECTED_MFU.get(profile.compute_dtype, 0.33)
+        seq_len, rows_note = rows_for_budget(recipe, expected, training_documents())
+        recipe = dataclasses.replace(recipe, seq_len=seq_len)
     device, rank, world_size = init_distributed(profile)
     for note in notes:
         print0(f"environment: {note}")
+    if rows_note:
+        print0(rows_note)
     torch.manual_seed(recipe.seed)
     stdout = sys.stdout
     if rank == 0:  # the run's log beside its checkpoint, an earlier run's files kept

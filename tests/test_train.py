@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 import subprocess
@@ -237,6 +238,42 @@ def test_flags_cover_the_recipe_and_the_run_options_and_presets_apply():
     fields = [f.name for f in T.setting_fields()]
     assert len(fields) == len(set(fields))  # a setting is either the recipe's or a run option, never both
     assert set(T.PRESETS["cpu"]) | set(T.PRESETS["phase2"]) | set(T.PRESETS["gpu"]) <= set(fields)
+
+
+def flops_per_second_for_passes(recipe, passes: float, documents: int) -> float:
+    with torch.device("meta"):
+        flops_per_token = T.GPT(T.model_config(recipe)).flops_per_token()
+    return passes * documents * (recipe.seq_len + 1) * flops_per_token / recipe.time_budget
+
+
+def test_rows_for_budget_doubles_the_rows_from_max_passes_over_what_they_reach():
+    recipe = T.parse_command_line(["--preset", "cpu"])[0]
+    for documents in (100, 8264, 10**6):
+        below = flops_per_second_for_passes(recipe, 0.99 * T.MAX_PASSES, documents)
+        assert T.rows_for_budget(recipe, below, documents)[0] == recipe.seq_len
+        above = flops_per_second_for_passes(recipe, 1.01 * T.MAX_PASSES, documents)
+        seq_len, why = T.rows_for_budget(recipe, above, documents)
+        assert seq_len == 2 * recipe.seq_len
+        assert f"would pass {1.01 * T.MAX_PASSES:.1f} times over the first {recipe.seq_len + 1} tokens" in why
+    # the campaign's questions on the stdlib text (8,264 documents), at the preset's measured MFU
+    bf16, fp32 = (T.EXPECTED_MFU[k] * peak for k, peak in ((torch.bfloat16, 0.45e12), (None, 0.19e12)))
+    picked = {(budget, name): T.rows_for_budget(dataclasses.replace(recipe, time_budget=budget), flops, 8264)[0]
+              for budget in (300.0, 900.0) for name, flops in (("bf16", bf16), ("fp32", fp32))}
+    assert picked == {(300.0, "bf16"): 256, (300.0, "fp32"): 256, (900.0, "bf16"): 512, (900.0, "fp32"): 512}
+
+
+def test_training_documents_counts_the_train_split(monkeypatch, text_dataset):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    shards = prepare.split_shards("train")
+    assert T.training_documents() == sum(pq.ParquetFile(p).metadata.num_rows for p in shards) > 0
+
+
+def test_a_run_with_rows_for_budget_trains_and_records_the_rows_it_picked(tmp_path, train_main, capsys):
+    out = tmp_path / "out"
+    train_main([*TINY, "--rows-for-budget", "--max-steps", "2", "--eval-tokens", "0", "--out-dir", str(out)])
+    assert "rows of 256 (--rows-for-budget)" in capsys.readouterr().out  # 128 doubled: the tiny text is short
+    saved = torch.load(out / "final.pt", weights_only=True)
+    assert saved["meta"]["recipe"]["seq_len"] == saved["model_config"]["sequence_len"] == 256
 
 
 def test_schedules():

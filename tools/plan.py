@@ -104,7 +104,7 @@ def plan_run(recipe: T.Recipe, ranks: int, budget_seconds: float, flops_per_seco
 def format_plan(plan: Plan) -> str:
     recipe, g = plan.recipe, plan.geometry
     config = T.model_config(recipe)
-    flags = f"--depth {recipe.depth} --total-batch-size {recipe.total_batch_size} " \
+    flags = f"--depth {recipe.depth} --seq-len {recipe.seq_len} --total-batch-size {recipe.total_batch_size} " \
             f"--device-batch-size {recipe.device_batch_size} --time-budget {recipe.time_budget:.0f}"
     launch = f"torchrun --standalone --nproc_per_node={plan.ranks} train.py" if plan.ranks > 1 else "python train.py"
     per_rank = plan.flops_per_second / plan.ranks
@@ -219,6 +219,17 @@ def main(argv=None) -> int:
         per_rank = mfu * profile.peak_flops
         source = f"{'assumed' if args.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
                  f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
+    if options.rows_for_budget:  # as train.py decides it, at this throughput, on the text set up here
+        try:
+            documents = T.training_documents()
+        except Exception as e:
+            if not T.is_input_error(e):
+                raise
+            raise SystemExit(f"error: --rows-for-budget reads the training text's size: {e}") from None
+        seq_len, why = T.rows_for_budget(dataclasses.replace(recipe, time_budget=float(budget)),
+                                         per_rank * args.ranks, documents)
+        recipe = dataclasses.replace(recipe, seq_len=seq_len)
+        print(why)
     print(format_plan(plan_run(recipe, args.ranks, budget, per_rank * args.ranks, source)))
     return 0
 
