@@ -32,7 +32,10 @@ The plan, about 7.5 hours on the 2-core machine, and why each part:
   at about half the tokens/s. On the bf16 machine rows of 512 won at 900 s, where the preset's rows of 256
   passed 3.8 times over the part of the text they reach (docs/presets-and-benchmarks.md, "How much of the
   text a row length trains on"); here they were to pass about 1.6 times (they passed 2.1: this machine outran the estimate), to
-  place the crossing in passes over the text rather than in seconds."""
+  place the crossing in passes over the text rather than in seconds;
+- budget-rows-300 / budget-rows-900-prose: the preset once it picks its rows from the budget
+  (`--rows-for-budget`, as `now` does from then on): at 300 s on stdlib, where it should
+  keep 256, and at 900 s on prose, a question no run had asked, against the same shape held at 256."""
 from __future__ import annotations
 
 import argparse
@@ -98,6 +101,10 @@ PLAN = [  # in the order run, each question whole before the next: the ones that
     # two seeds: seed 1 alone put rows of 512 ahead by only 0.009
     Part("shapes-900-fp32", ("now", "d3-w192-s512-b4k"), ("as-is",), (1, 2), budget=900.0, minutes_per_run=18.0,
          dtype="fp32"),
+    # the preset with its rows picked from the budget against rows held at 256
+    Part("budget-rows-300", ("rows-for-budget",), ("as-is",), (1,)),
+    Part("budget-rows-900-prose", ("rows-for-budget", "d3-w192-s256-b4k"), ("as-is",), (1,), budget=900.0, text="prose",
+         minutes_per_run=17.0),
 ]
 QUESTIONS = list(dict.fromkeys(part.question for part in PLAN))
 

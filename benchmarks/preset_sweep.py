@@ -52,6 +52,10 @@ SHAPES = {
                          "--total-batch-size", "4096", "--device-batch-size", "16"],
     "d3-w192-s512-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
+    # the cpu preset with its rows picked from the budget (as the preset now does), and held at 256
+    "rows-for-budget": ["--rows-for-budget"],
+    "d3-w192-s256-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "256",
+                         "--total-batch-size", "4096", "--no-rows-for-budget"],
     "d3-w192-s1024-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "1024",
                           "--total-batch-size", "4096", "--device-batch-size", "4"],
     "d6-w384-s512-b4k": ["--depth", "6", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",

@@ -45,7 +45,8 @@ def test_the_rehearsal_runs_every_stage_and_reports_every_field(tmp_path, text_d
         for key in ("tokens_per_second", "mfu_percent", "peak_memory_mb", "startup_seconds", "first_step_seconds",
                     "num_params_M", "num_steps"):
             assert r[key] > 0, (run, key, r[key])
-        assert r["peak_tflops"] == pytest.approx(stages["peak"]["tflops"], rel=1e-3)  # MFU against the measured peak
+        # MFU against the measured peak (the summary prints it to 3 decimals)
+        assert r["peak_tflops"] == pytest.approx(stages["peak"]["tflops"], abs=5e-4)
         assert len(r["loss_curve"]) >= 3 and r["loss_curve"][-1][2] < r["loss_curve"][0][2]  # it learned
         e = r["eval_public"]
         assert math.isfinite(e["val_bpb"]) and e["causality_passed"] is True and e["official"] is False
