@@ -938,6 +938,7 @@ class Run:
             ("comm_seconds_per_step", f"{self.optimizer.comm_seconds / len(self.step_times):.4f}"),
             ("peak_memory_mb", f"{peak_memory_mb(self.device):.1f}"),
             ("num_params_M", f"{model.num_params() / 1e6:.1f}"), ("depth", model.config.n_layer),
+            ("seq_len", self.recipe.seq_len),
             ("device", f"{self.device.type} x {self.world_size}"),
             ("compute_dtype", str(profile.compute_dtype or torch.float32).replace("torch.", "")),
             ("checkpoint", checkpoint),
@@ -2162,16 +2163,16 @@ def main(argv=None) -> int:
         seq_len, rows_note = rows_for_budget(recipe, expected, training_documents())
         recipe = dataclasses.replace(recipe, seq_len=seq_len)
     device, rank, world_size = init_distributed(profile)
-    for note in notes:
-        print0(f"environment: {note}")
-    if rows_note:
-        print0(rows_note)
     torch.manual_seed(recipe.seed)
     stdout = sys.stdout
     if rank == 0:  # the run's log beside its checkpoint, an earlier run's files kept
         Path(options.out_dir).mkdir(parents=True, exist_ok=True)
         keep_previous_run(Path(options.out_dir))
         sys.stdout = Tee(stdout, Path(options.out_dir) / "log.txt")
+    for note in notes:
+        print0(f"environment: {note}")
+    if rows_note:
+        print0(rows_note)
     try:
         train(recipe, Run(recipe, options, profile, device, rank, world_size))
         return 0

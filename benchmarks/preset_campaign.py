@@ -103,7 +103,7 @@ PLAN = [  # in the order run, each question whole before the next: the ones that
          dtype="fp32"),
     # the preset with its rows picked from the budget against rows held at 256
     Part("budget-rows-300", ("rows-for-budget",), ("as-is",), (1,)),
-    Part("budget-rows-900-prose", ("rows-for-budget", "d3-w192-s256-b4k"), ("as-is",), (1,), budget=900.0, text="prose",
+    Part("budget-rows-900-prose", ("rows-for-budget", "rows-256"), ("as-is",), (1,), budget=900.0, text="prose",
          minutes_per_run=17.0),
 ]
 QUESTIONS = list(dict.fromkeys(part.question for part in PLAN))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -272,6 +273,8 @@ def test_a_run_with_rows_for_budget_trains_and_records_the_rows_it_picked(tmp_pa
     out = tmp_path / "out"
     train_main([*TINY, "--rows-for-budget", "--max-steps", "2", "--eval-tokens", "0", "--out-dir", str(out)])
     assert "rows of 256 (--rows-for-budget)" in capsys.readouterr().out  # 128 doubled: the tiny text is short
+    assert "rows of 256 (--rows-for-budget)" in (out / "log.txt").read_text()
+    assert json.loads((out / "summary.json").read_text())["seq_len"] == 256
     saved = torch.load(out / "final.pt", weights_only=True)
     assert saved["meta"]["recipe"]["seq_len"] == saved["model_config"]["sequence_len"] == 256
 
@@ -288,7 +291,6 @@ def test_schedules():
 def test_a_run_leaves_a_folder_to_look_at_and_keeps_the_previous_run(tmp_path, train_main, capsys):
     """log.txt, summary.json (the summary as JSON), metrics.jsonl and loss.png beside final.pt; a second run
     moves the first one's files into a dated folder instead of overwriting them."""
-    import json
     from PIL import Image
     out = tmp_path / "out"
     argv = [*TINY, "--max-steps", "8", "--log-every", "2", "--eval-tokens", "2048", "--out-dir", str(out)]
