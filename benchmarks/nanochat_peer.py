@@ -261,10 +261,20 @@ def write_tokenizer(base: Path) -> dict:
             "bos_id": tok.get_bos_token_id()}
 
 
-def nanochat_env(work: Path, device: str) -> dict:
+def nanochat_dtype(device: str, dtype: str) -> str:
+    """NANOCHAT_DTYPE for --dtype: auto is the kit's choice (train.compute_dtype_for): bf16 on a GPU, and on
+    a CPU where it is fast at bf16 (AVX-512 BF16 or AMX), else fp32."""
+    if dtype == "auto":
+        sys.path.insert(0, str(REPO))
+        from train import compute_dtype_for
+        dtype = "bf16" if compute_dtype_for(device) is not None else "fp32"
+    return {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+
+
+def nanochat_env(work: Path, device: str, dtype: str = "auto") -> dict:
     env = dict(os.environ)
     env["NANOCHAT_BASE_DIR"] = str(work / "base")
-    env["NANOCHAT_DTYPE"] = "bfloat16" if device == "cuda" else "float32"
+    env["NANOCHAT_DTYPE"] = nanochat_dtype(device, dtype)
     env["PYTHONPATH"] = os.pathsep.join([str(work / "active_shims")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("WANDB_MODE", None)
@@ -295,7 +305,7 @@ def check_tokenizer(work: Path, texts: list[str], expect_files: list[str] | None
     from harness.tokenizer import ensure_tokenizer, get_token_bytes
     from harness.config import SPECIAL_TOKENS
     kit = ensure_tokenizer()
-    env = nanochat_env(work, "cpu")
+    env = nanochat_env(work, "cpu", "fp32")
     if expect_files is not None:
         env["PEER_CHECK_DATA"] = "1"
     proc = subprocess.run([sys.executable, "-c", _CHECK_SNIPPET], cwd=work / "nanochat", env=env,
@@ -588,7 +598,7 @@ def cmd_train(args) -> None:
            "--time-budget", str(args.seconds), "--time-budget-measure-steps", str(args.measure_steps),
            "--run", "dummy", "--eval-every", "-1", "--core-metric-every", "-1", "--sample-every", "-1",
            "--model-tag", MODEL_TAG, *args.extra]
-    env = nanochat_env(work, args.device)
+    env = nanochat_env(work, args.device, args.dtype)
     if args.no_compile:
         env["TORCHDYNAMO_DISABLE"] = "1"  # torch's own switch: every torch.compile runs eagerly
     shown_env = {k: env[k] for k in ("NANOCHAT_BASE_DIR", "NANOCHAT_DTYPE", "PYTHONPATH", "TORCHDYNAMO_DISABLE")
@@ -674,6 +684,8 @@ def main(argv=None) -> int:
     t.add_argument("--device-batch-size", type=int, default=32)
     t.add_argument("--total-batch-size", type=int, default=262144)
     t.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    t.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="nanochat's compute dtype (NANOCHAT_DTYPE); auto: the kit's --dtype auto for the device")
     t.add_argument("--measure-steps", type=int, default=20, help="timed steps whose mean sets num_iterations")
     t.add_argument("--wall-limit", type=float, default=0, help="stop base_train after this many wall seconds "
                    "(0: no limit); a stopped run is an error")
