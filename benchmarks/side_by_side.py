@@ -114,7 +114,7 @@ def table(rows: list[dict], text: str) -> str:
         nc, kit = r["nanochat"], r["kit"]
         mfu = f"{nc['mfu_percent_mean']:.1f} %" if nc.get("mfu_percent_mean") else "–"
         lines.append(f"| {r['multiple']:g}x ({r['seconds']:.0f} s) | nanochat d4 (w256, rows of 512, batch 4,096, "
-                     f"{nc.get('compute_dtype') or '?'}) | {nc['steps']} | {nc['tokens_per_second']:,.0f} | {mfu} | "
+                     f"{nc.get('env', {}).get('NANOCHAT_DTYPE', '?')}) | {nc['steps']} | {nc['tokens_per_second']:,.0f} | {mfu} | "
                      f"{r['nanochat_bpb']:.4f} | – |")
         change = 100 * (r["kit_bpb"] - r["nanochat_bpb"]) / r["nanochat_bpb"]
         lines.append(f"| | kit `--preset cpu` (rows of {kit.get('seq_len', '?')}, {kit['compute_dtype']}) | "

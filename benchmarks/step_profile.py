@@ -115,7 +115,7 @@ def main() -> int:
     spans = collections.Counter()
     for e in events:
         if e.name in REGIONS:
-            spans[e.name] += e.cpu_time_range.elapsed_us() / 1e6 / args.steps
+            spans[e.name] += e.time_range.elapsed_us() / 1e6 / args.steps
     by_kind, by_op = collections.defaultdict(collections.Counter), collections.Counter()
     for e in events:
         if e.name in REGIONS or e.name.startswith(("ProfilerStep", "Torch-Compiled Region", "CompiledFunction")):
