@@ -562,8 +562,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 for p in params:
                     self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros_like(p),
                                          exp_avg_sq=torch.zeros_like(p))
-        # One graph for the whole step: compiled per update and per parameter shape, the first step compiled
-        # 7 graphs, twice as slow to build (benchmarks/trainium_ready.py compile-cost).
+        # One graph for the whole step: one per update and parameter shape (7) took twice as long to compile
+        # (benchmarks/trainium_ready.py compile-cost).
         self._update = torch.compile(update_groups, backend=compile_backend, dynamic=False, fullgraph=True) \
             if compile_backend else update_groups
 
@@ -1727,11 +1727,12 @@ def rows_for_budget(recipe: Recipe, flops_per_second: float, documents: int) -> 
         return passes_over_reach(recipe.time_budget * flops_per_second / flops_per_token, documents, seq_len)
 
     short, long = recipe.seq_len, 2 * recipe.seq_len
-    seq_len = long if passes(short) >= MAX_PASSES else short
+    at_short, at_long = passes(short), passes(long)
+    seq_len = long if at_short >= MAX_PASSES else short
     return seq_len, (f"rows of {seq_len} (--rows-for-budget): {recipe.time_budget:.0f}s at "
-                     f"{flops_per_second / 1e12:.2f} TFLOP/s would pass {passes(short):.1f} times over the first {short + 1} tokens of the "
-                     f"{documents:,} training documents, {passes(long):.1f} times over their first {long + 1} (rows "
-                     f"twice as long from {MAX_PASSES:g} passes)")
+                     f"{flops_per_second / 1e12:.2f} TFLOP/s would pass {at_short:.1f} times over the first "
+                     f"{short + 1} tokens of the {documents:,} training documents, {at_long:.1f} times over their "
+                     f"first {long + 1} (rows twice as long from {MAX_PASSES:g} passes)")
 
 
 # -----------------------------------------------------------------------------------------------

@@ -113,8 +113,9 @@ def table(rows: list[dict], text: str) -> str:
     for r in rows:
         nc, kit = r["nanochat"], r["kit"]
         mfu = f"{nc['mfu_percent_mean']:.1f} %" if nc.get("mfu_percent_mean") else "–"
+        dtype = nc.get("env", {}).get("NANOCHAT_DTYPE", "?")
         lines.append(f"| {r['multiple']:g}x ({r['seconds']:.0f} s) | nanochat d4 (w256, rows of 512, batch 4,096, "
-                     f"{nc.get('env', {}).get('NANOCHAT_DTYPE', '?')}) | {nc['steps']} | {nc['tokens_per_second']:,.0f} | {mfu} | "
+                     f"{dtype}) | {nc['steps']} | {nc['tokens_per_second']:,.0f} | {mfu} | "
                      f"{r['nanochat_bpb']:.4f} | – |")
         change = 100 * (r["kit_bpb"] - r["nanochat_bpb"]) / r["nanochat_bpb"]
         lines.append(f"| | kit `--preset cpu` (rows of {kit.get('seq_len', '?')}, {kit['compute_dtype']}) | "

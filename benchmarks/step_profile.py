@@ -5,13 +5,13 @@ time on the training thread grouped into what it is, and the gaps between ops (P
     python benchmarks/step_profile.py --preset cpu                   # in the machine's fast dtype (--dtype auto)
     python benchmarks/step_profile.py --preset cpu --dtype fp32      # any train.py flag changes the run
 
-Run it alone: the step shares two cores with nothing else. The loader's share needs a prepared dataset
+Run it alone: the step shares two cores with nothing else. It profiles the rows --seq-len gives (the
+cpu preset's --rows-for-budget choice is made by train.py for a run). The loader's share needs a prepared dataset
 (`python prepare.py setup --source stdlib`). MFU = model FLOPs per token x tokens/s / the peak measured here."""
 from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import statistics
 import sys
@@ -73,9 +73,8 @@ def main() -> int:
     device_type = options.device if options.device not in ("", "auto") else T.detect_device_type()
     prof = T.device_profile(device_type, recipe.dtype, options.peak_tflops)
     if options.rows_for_budget:
-        documents = T.training_documents()
-        expected = prof.peak_flops * T.EXPECTED_MFU.get(prof.compute_dtype, 0.33)
-        recipe = dataclasses.replace(recipe, seq_len=T.rows_for_budget(recipe, expected, documents)[0])
+        print(f"rows of {recipe.seq_len}, as --seq-len gives them: --rows-for-budget is train.py's choice, for a "
+              "run (give --seq-len 512 for the rows a long budget picks)")
     device = torch.device(device_type)
     torch.manual_seed(recipe.seed)
     model = T.build_model(T.model_config(recipe), device, recipe.dtype)
@@ -110,7 +109,8 @@ def main() -> int:
         for _ in range(args.steps):
             profiled_step(step_model, optimizer, batches, accumulation)
         wall = (time.perf_counter() - t0) / args.steps
-    events = [e for e in p.events() if e.thread == p.events()[0].thread]  # the training thread's
+    events = p.events()
+    events = [e for e in events if e.thread == events[0].thread]  # the training thread's
     region = {e.id: e.name for e in events if e.name in REGIONS}
     spans = collections.Counter()
     for e in events:
