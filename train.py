@@ -140,6 +140,7 @@ class Architecture:
     the checkpoint's model_config; GPTConfig checks them."""
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
+    n_kv_head: int = 0  # key/value heads, fewer than the query heads for grouped-query attention (0: one per head)
     # layers whose attention values add a token embedding of their own through a per-head gate (nanochat's
     # value embeddings): "" none, "alternate" (every other layer, the last one included), "all", or indices "0,2"
     value_embeds: str = ingredient("", on="alternate")
@@ -169,6 +170,9 @@ class GPTConfig(Architecture):
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size "
                              "(an even --head-dim)")
+        self.n_kv_head = self.n_kv_head or self.n_head
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ValueError(f"--n-kv-head {self.n_kv_head}: must divide the {self.n_head} query heads (0: as many)")
         self.window_pattern = self.window_pattern.upper()
         if "S" in self.window_pattern:
             self.short_window = self.short_window or max(1, self.sequence_len // 4)
@@ -176,6 +180,11 @@ class GPTConfig(Architecture):
             self.short_window = 0
         self.value_embed_layers = value_embed_layers(self.value_embeds, self.n_layer)
         self.windows = layer_windows(self.window_pattern, self.short_window, self.n_layer)
+
+    @property
+    def kv_width(self) -> int:
+        """Channels of the keys and values (and of the value embeddings that add to them)."""
+        return self.n_kv_head * self.n_embd // self.n_head
 
 
 def model_config(recipe: Recipe, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> GPTConfig:
@@ -271,31 +280,32 @@ def sliding_window_block_mask(T: int, window: int, device: torch.device) -> Bloc
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.n_embd // config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.n_embd // config.n_head
         self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_k = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        # value embedding: a gate per head, read from the first channels of the layer's input
-        self.ve_gate = nn.Linear(min(VALUE_EMBED_GATE_CHANNELS, config.n_embd), config.n_head, bias=False) \
+        self.c_k = nn.Linear(config.n_embd, config.kv_width, bias=False)
+        self.c_v = nn.Linear(config.n_embd, config.kv_width, bias=False)
+        # value embedding: a gate per key/value head, read from the first channels of the layer's input
+        self.ve_gate = nn.Linear(min(VALUE_EMBED_GATE_CHANNELS, config.n_embd), config.n_kv_head, bias=False) \
             if value_embed else None
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)  # declared last: it starts at zero
 
     def forward(self, x, cos, sin, mask=None, ve=None):
         """mask: [B, 1, T, T] bool, True where a query may attend; None: causal. ve: this layer's value
         embedding of the tokens [B, T, C], or None."""
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # the gate is in (0, 2), 1 at the start
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
             v = v + gate.unsqueeze(-1) * ve.view_as(v).to(v.dtype)
         q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = self.n_kv_head < self.n_head  # (only then: with as many k/v heads, the kernels stay as they were)
         if isinstance(mask, BlockMask):  # a sliding window on a compiled CUDA model (GPT.layer_masks); autocast
-            y = flex_attention(q.to(v.dtype), k.to(v.dtype), v, block_mask=mask)  # passes it by: one dtype, as SDPA
+            y = flex_attention(q.to(v.dtype), k.to(v.dtype), v, block_mask=mask, enable_gqa=gqa)  # passes it by
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -333,7 +343,7 @@ class GPT(nn.Module):
         self.resid_lambdas = nn.Parameter(torch.ones(L))
         self.x0_lambdas = nn.Parameter(torch.full((L,), 0.1))
         # The ingredients: each exists only when its flag is on, so the baseline keeps the organisers' parameters.
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, C) for i in config.value_embed_layers})
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, config.kv_width) for i in config.value_embed_layers})
         # Rotary tables cover the training context and the scorer's evaluation context.
         cos, sin = rotary_tables(max(config.sequence_len, EVAL_SEQ_LEN), C // config.n_head, config.rope_base)
         self.register_buffer("cos", cos, persistent=False)
@@ -342,40 +352,49 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """nanochat's init, by rule, for every matrix the model has (the token embedding and the head first,
-        then the rest in order, as nanochat draws them):
-        - a Linear: uniform in +-sqrt(3 / width), except the layers that write to the residual stream (c_proj:
-          each block starts as the identity) and the value-embedding gates (ve_gate: neutral) at zero;
-        - an Embedding: the tokens' unit normal, value embeddings like c_v;
-        - the head: normal with std 0.001."""
+        """nanochat's init, by what each weight is, drawn in nanochat's order (the token embedding, the head, then
+        the rest as declared). A weight two modules share is drawn once, by the first: a head tied to the token
+        embedding keeps the embedding's unit normal. Scalars keep the values they are made with.
+        - the token embedding: normal, std 1; any other Embedding (value embeddings): as c_v below;
+        - a head, any Linear to the vocabulary (lm_head, a second head of your own): normal, std 0.001;
+        - a Linear that writes to the residual stream, the one each branch of a block (attention, MLP, a branch of
+          your own) declares last (c_proj), and a value-embedding gate: zero (each block starts as the identity,
+          each gate neutral);
+        - any other Linear: uniform in +-sqrt(3 / width).
+        A weight with a rule of its own is one more branch below."""
         bound = 3**0.5 * self.config.n_embd**-0.5
-        first = [("wte", self.wte), ("lm_head", self.lm_head)]
-        rest = [(name, m) for name, m in self.named_modules() if m is not self.wte and m is not self.lm_head]
-        for name, module in first + rest:
-            leaf = name.rsplit(".", 1)[-1]
-            if name == "wte":
-                nn.init.normal_(module.weight, std=1.0)
-            elif name == "lm_head":
-                nn.init.normal_(module.weight, std=0.001)
-            elif isinstance(module, nn.Linear):
-                if leaf in ("c_proj", "ve_gate"):
-                    nn.init.zeros_(module.weight)
-                else:
-                    nn.init.uniform_(module.weight, -bound, bound)
-            elif isinstance(module, nn.Embedding):
-                nn.init.uniform_(module.weight, -bound, bound)
+        writers = set()
+        for block in self.blocks:
+            for branch in block.children():
+                writers.update([m for m in branch.modules() if isinstance(m, nn.Linear)][-1:])
+        drawn = set()
+        for name, module in [("wte", self.wte), ("lm_head", self.lm_head), *self.named_modules()]:
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, nn.Parameter) or id(weight) in drawn:
+                continue
+            drawn.add(id(weight))
+            if module is self.wte:
+                nn.init.normal_(weight, std=1.0)
+            elif isinstance(module, nn.Linear) and module.out_features == self.config.vocab_size:
+                nn.init.normal_(weight, std=0.001)
+            elif module in writers or name.endswith("ve_gate"):
+                nn.init.zeros_(weight)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.uniform_(weight, -bound, bound)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per matmul weight (embedding lookups are free: the token embedding,
-        value embeddings) plus attention scores and values over each layer's context, the
-        full training context or its window (the PaLM convention)."""
+        """Training FLOPs per token: 6 per weight, except a table the forward only looks up (an Embedding's weight:
+        the token embedding, value embeddings; tied to a head, the table is that head's matmul too), plus
+        attention's scores and values over each layer's context, the full context or its window (PaLM's rule)."""
         c = self.config
-        lookups = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+        lookups = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} - \
+            {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
+        multiplied = sum(p.numel() for p in self.parameters() if id(p) not in lookups)
         context = sum(min(w, c.sequence_len) if w else c.sequence_len for w in c.windows)
-        return 6 * (self.num_params() - lookups) + 12 * c.n_embd * context
+        return 6 * multiplied + 12 * c.n_embd * context
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -611,42 +630,22 @@ class MuonAdamW(torch.optim.Optimizer):
                    if isinstance(t, torch.Tensor))
 
 
-def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[dict]:
-    """The per-parameter table: which rule updates each parameter, and how. A new parameter is one row
-    (a forgotten one is an error that names it). ns_dtype: Polar Express's precision (None: fp32)."""
+def parameter_table(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[tuple]:
+    """The per-parameter table, (parameters, rule) a row: which rule updates each parameter, and how. A new
+    parameter is one row; parameter_groups (under the banner below) refuses, naming it, a parameter without a
+    row or in two. ns_dtype: Polar Express's precision (None: fp32)."""
     width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
     adamw = dict(kind="adamw", betas=(recipe.adam_beta1, recipe.adam_beta2), eps=1e-10, weight_decay=0.0)
     muon = dict(kind="muon", lr=recipe.matrix_lr, momentum=recipe.muon_momentum_start, ns_steps=recipe.muon_ns_steps,
                 ns_dtype=ns_dtype or torch.float32, beta2=recipe.muon_beta2, weight_decay=recipe.weight_decay)
-    table = [  # (parameters, rule): AdamW for the head, the embedding tables and the scalars, Muon for the matrices
+    return [  # AdamW for the head, the embedding tables and the scalars, Muon for the matrices
         ([model.lm_head.weight], dict(adamw, lr=recipe.unembedding_lr * width_scale)),
         ([model.wte.weight], dict(adamw, lr=recipe.embedding_lr * width_scale)),
         (list(model.value_embeds.parameters()), dict(adamw, lr=recipe.embedding_lr * width_scale * 0.5)),  # nanochat
         ([model.resid_lambdas], dict(adamw, lr=recipe.scalar_lr * 0.01)),
         ([model.x0_lambdas], dict(adamw, lr=recipe.scalar_lr, betas=(0.96, 0.95))),
-        (list(model.blocks.parameters()), muon),  # every matrix in the blocks (value embeddings' gates included)
+        ([p for p in model.blocks.parameters() if p.dim() >= 2], muon),  # the blocks' matrices (gates included)
     ]
-    names = {id(p): name for name, p in model.named_parameters()}
-    groups = []
-    for params, rule in table:
-        if not params:
-            continue
-        if rule["kind"] == "muon":  # Muon updates same-shaped matrices together: a group per shape
-            not_matrices = [f"{names[id(p)]} {list(p.shape)}" for p in params if p.dim() != 2]
-            if not_matrices:
-                raise ValueError(f"parameters {not_matrices} fall in a Muon row of parameter_groups' table, which "
-                                 "updates matrices only: give them a row of their own (AdamW, like the scalars)")
-            for shape in sorted({tuple(p.shape) for p in params}):
-                groups.append(dict(rule, params=[p for p in params if tuple(p.shape) == shape]))
-        else:
-            groups.append(dict(rule, params=params))
-    listed = {id(p) for g in groups for p in g["params"]}
-    missing = [name for name, p in model.named_parameters() if id(p) not in listed]
-    if missing:
-        raise ValueError(f"parameters {missing} have no row in parameter_groups' table: add one")
-    for g in groups:
-        g["initial_lr"] = g["lr"]
-    return groups
 
 
 # -----------------------------------------------------------------------------------------------
@@ -837,7 +836,8 @@ class Run:
         print0(f"device: {self.device} x {self.world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
                f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
         c = model.config
-        on = {k: getattr(c, k) for k, v in asdict(Architecture()).items() if getattr(c, k) != v}  # not the default
+        default = dataclasses.replace(c, **asdict(Architecture()))  # this size's default architecture
+        on = {k: getattr(c, k) for k in asdict(Architecture()) if getattr(c, k) != getattr(default, k)}
         print0(f"model: {c.n_layer} layers of width {c.n_embd} ({c.n_head} heads of {c.n_embd // c.n_head}), context "
                f"{c.sequence_len}, vocabulary {c.vocab_size}" + "".join(f", {k} {v!r}" for k, v in on.items()))
         print0(f"parameters: {model.num_params():,} | FLOPs per token: {self.flops_per_token:.4e}")
@@ -1590,7 +1590,8 @@ class DataParallelOptimizer:
 
 
 def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
-    """The parameters in the order the backward completes their gradients: the reverse of first use in a forward."""
+    """The parameters in the order the backward completes their gradients: the reverse of first use in a training
+    forward (tokens and targets), seen on a twin on the meta device (no memory, no arithmetic)."""
     with torch.device("meta"):
         twin = type(model)(model.config)
     names, first_use = {id(p): name for name, p in twin.named_parameters()}, {}
@@ -1602,11 +1603,45 @@ def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
                     first_use.setdefault(names[id(a)], len(first_use))
             return func(*args, **(kwargs or {}))
 
+    tokens = torch.zeros(1, 2, dtype=torch.long, device="meta")
     with RecordUse():
-        twin(torch.zeros(1, 2, dtype=torch.long, device="meta"))
+        twin(tokens, tokens)
     params = dict(model.named_parameters())
     unused = [p for name, p in params.items() if name not in first_use]  # no gradient at all: last
     return [params[name] for name in sorted(first_use, key=first_use.get, reverse=True)] + unused
+
+
+def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[dict]:
+    """parameter_table's rows as the optimizer's param groups (Muon's: one per shape), every parameter in exactly
+    one row, every Muon parameter a matrix; else an error that names the parameters."""
+    table = parameter_table(model, recipe, ns_dtype)
+    names = {}  # a weight two modules share has two names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)] = f"{names[id(p)]} = {name}" if id(p) in names else name
+    rows = collections.Counter(id(p) for params, _ in table for p in params)
+    twice = [names[i] for i, n in rows.items() if n > 1]
+    if twice:
+        raise ValueError(f"parameters {twice} are in more than one row of parameter_table: keep one")
+    missing = [names[id(p)] for p in model.parameters() if id(p) not in rows]
+    if missing:
+        raise ValueError(f"parameters {missing} have no row in parameter_table: add one (a vector, such as a gain or "
+                         "a temperature: AdamW, like resid_lambdas)")
+    groups = []
+    for params, rule in table:
+        if not params:
+            continue
+        if rule["kind"] == "muon":  # Muon updates same-shaped matrices together: a group per shape
+            not_matrices = [f"{names[id(p)]} {list(p.shape)}" for p in params if p.dim() != 2]
+            if not_matrices:
+                raise ValueError(f"parameters {not_matrices} fall in a Muon row of parameter_table, which updates "
+                                 "matrices only: give them a row of their own (AdamW, like the scalars)")
+            for shape in sorted({tuple(p.shape) for p in params}):
+                groups.append(dict(rule, params=[p for p in params if tuple(p.shape) == shape]))
+        else:
+            groups.append(dict(rule, params=params))
+    for g in groups:
+        g["initial_lr"] = g["lr"]
+    return groups
 
 
 def build_optimizer(model: GPT, recipe: Recipe, options: RunOptions | None = None,

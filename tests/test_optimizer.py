@@ -145,7 +145,7 @@ def test_the_ready_order_is_the_order_the_backward_completes_gradients():
 def test_the_parameter_table_and_the_schedule_refuse_what_they_do_not_know():
     model = tiny_model()
     model.extra = torch.nn.Parameter(torch.zeros(3))  # a new parameter without a row in the table
-    with pytest.raises(ValueError, match=r"parameters \['extra'\] have no row in parameter_groups' table"):
+    with pytest.raises(ValueError, match=r"parameters \['extra'\] have no row in parameter_table"):
         T.build_optimizer(model, T.Recipe())
     model = tiny_model()
     optimizer = T.build_optimizer(model, T.Recipe())
@@ -157,9 +157,16 @@ def test_the_parameter_table_and_the_schedule_refuse_what_they_do_not_know():
         optimizer.step()
 
 
-def test_a_vector_in_a_muon_row_is_the_tables_error_naming_it():
+def test_a_vector_in_a_muon_row_is_the_tables_error_naming_it(monkeypatch):
     model = tiny_model()
     model.blocks[0].norm_scale = torch.nn.Parameter(torch.ones(model.config.n_embd))  # e.g. a learned norm weight
+    kit_table = T.parameter_table
+
+    def muon_for_every_block_parameter(model, recipe, ns_dtype):
+        return [(list(model.blocks.parameters()) if rule["kind"] == "muon" else params, rule)
+                for params, rule in kit_table(model, recipe, ns_dtype)]
+
+    monkeypatch.setattr(T, "parameter_table", muon_for_every_block_parameter)
     with pytest.raises(ValueError, match=r"parameters \['blocks.0.norm_scale \[\d+\]'\] fall in a Muon row .* "
                                          r"give them a row of their own"):
         T.build_optimizer(model, T.Recipe())

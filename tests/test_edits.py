@@ -1,0 +1,176 @@
+"""The edits a participant makes first, made here as a participant makes them (a subclass or a module swapped
+in, never a list of the baseline's parameters): each lands in a few places and the kit's rules follow it. A
+tied head keeps the embedding's init, is counted as the matmul it is, and has one row in the table; a second
+head gets the head's init; a branch's output projection starts at zero whatever its name; a vector in a block
+needs one row; grouped-query attention is a flag."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO))
+import train as T  # noqa: E402
+
+VOCAB = 512
+SHAPE = ["--depth", "2", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "16"]
+
+
+def config(*argv) -> T.GPTConfig:
+    return T.model_config(T.parse_command_line([*SHAPE, *argv])[0], vocab_size=VOCAB)
+
+
+class TiedHead(T.GPT):
+    """nanochat's tied embeddings: the head multiplies by the token embedding's table."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lm_head.weight = self.wte.weight
+
+
+class SecondHead(T.GPT):
+    """Multi-token prediction: a second head predicts the token after next from the same hidden state."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.next_next = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, idx, targets=None, positions=None, attn_mask=None):
+        if targets is None:
+            return super().forward(idx, positions=positions, attn_mask=attn_mask)
+        hidden = {}
+        handle = self.lm_head.register_forward_hook(lambda m, args, out: hidden.update(x=args[0]))
+        loss = super().forward(idx, targets)
+        handle.remove()
+        logits = self.next_next(hidden["x"])
+        return loss + T.training_loss(logits[:, :-1], targets[:, 1:], self.config.logit_softcap)
+
+
+class SwiGLU(nn.Module):
+    """An MLP whose output projection has a name of its own (w_out, not c_proj)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.w_gate = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)
+        self.w_up = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)
+        self.w_out = nn.Linear(2 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.w_out(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class InputGain(T.CausalSelfAttention):
+    """A learned gain on the attention's input (a norm's weight): a vector in a block."""
+
+    def __init__(self, config, value_embed=False):
+        super().__init__(config, value_embed)
+        self.gain = nn.Parameter(torch.ones(config.n_embd))
+
+    def forward(self, x, *args, **kwargs):
+        return super().forward(x * self.gain, *args, **kwargs)
+
+
+def built(kind=T.GPT, *argv) -> T.GPT:
+    torch.manual_seed(0)
+    model = kind(config(*argv))
+    model.init_weights()
+    return model
+
+
+def test_a_tied_head_keeps_the_embeddings_init():
+    model = built(TiedHead)
+    assert model.lm_head.weight is model.wte.weight
+    assert 0.9 < model.wte.weight.std() < 1.1  # the embedding's unit normal, not the head's 0.001
+
+
+def test_a_second_head_gets_the_heads_init():
+    head = built(SecondHead).next_next.weight
+    assert 0.0005 < head.std() < 0.002
+
+
+def test_a_branch_writes_to_the_residual_stream_from_zero_whatever_its_names(monkeypatch):
+    monkeypatch.setattr(T, "MLP", SwiGLU)
+    model = built()
+    for block in model.blocks:
+        assert not block.mlp.w_out.weight.any() and not block.attn.c_proj.weight.any()
+        assert block.mlp.w_gate.weight.std() > 0.01 and block.mlp.w_up.weight.std() > 0.01
+
+
+def matmul_flops_per_token(model: T.GPT, tokens: int = 16) -> float:
+    """What torch's FlopCounterMode counts in a training forward and backward, per token: every matmul (on a
+    CPU it leaves attention out, which the kit counts by its formula)."""
+    idx = torch.randint(0, VOCAB, (1, tokens + 1), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(idx[:, :-1], idx[:, 1:]).backward()
+    return counter.get_total_flops() / tokens
+
+
+@pytest.mark.parametrize("kind, argv", [(T.GPT, ()), (TiedHead, ()), (SecondHead, ()), (InputGain, ()),
+                                        (T.GPT, ("--n-kv-head", "1", *T.flags_for(T.every_ingredient())))])
+def test_the_flops_count_is_what_a_training_step_multiplies(monkeypatch, kind, argv):
+    """6 per weight of each matmul the step runs, however it is declared (a tied head included, lookups not),
+    plus attention by its formula over each layer's context; vectors count 6 per weight, the kit's convention."""
+    if kind is InputGain:
+        monkeypatch.setattr(T, "CausalSelfAttention", InputGain)
+        kind = T.GPT
+    model = built(kind, *argv)
+    c = model.config
+    attention = 12 * c.n_embd * sum(min(w or c.sequence_len, c.sequence_len) for w in c.windows)
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)
+    assert model.flops_per_token() == matmul_flops_per_token(model) + attention + 6 * vectors
+
+
+def test_a_parameter_in_two_rows_is_the_tables_error_naming_it():
+    """Tied, the head's weight is the embedding's: its two rows are one too many."""
+    with pytest.raises(ValueError, match=r"parameters \['wte.weight = lm_head.weight'\] are in more than one row "
+                                         r"of parameter_table: keep one"):
+        T.build_optimizer(built(TiedHead), T.Recipe(), compiled=False)
+
+
+def test_a_vector_in_a_block_is_named_and_one_row_is_enough(monkeypatch):
+    """The Muon row takes the blocks' matrices only, so a vector there is the table's error until it has a row."""
+    monkeypatch.setattr(T, "CausalSelfAttention", InputGain)
+    model = built()
+    with pytest.raises(ValueError, match=r"parameters \['blocks.0.attn.gain', 'blocks.1.attn.gain'\] have no row in "
+                                         r"parameter_table: add one"):
+        T.parameter_groups(model, T.Recipe())
+    kit_table = T.parameter_table
+
+    def with_its_row(model, recipe, ns_dtype):
+        rule = dict(kind="adamw", lr=recipe.scalar_lr * 0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+        return kit_table(model, recipe, ns_dtype) + [([b.attn.gain for b in model.blocks], rule)]
+
+    monkeypatch.setattr(T, "parameter_table", with_its_row)
+    optimizer = T.build_optimizer(model, T.Recipe(), compiled=False)
+    gains = {id(b.attn.gain) for b in model.blocks}
+    assert [g["kind"] for g in optimizer.param_groups if gains & {id(p) for p in g["params"]}] == ["adamw"]
+    idx = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    optimizer.step()
+
+
+def test_grouped_query_attention_is_a_flag_and_value_embeddings_follow_the_keys_and_values():
+    model = built(T.GPT, "--n-kv-head", "2", "--value-embeds", "alternate")
+    c = model.config
+    head_dim = c.n_embd // c.n_head
+    assert (c.n_head, c.n_kv_head) == (4, 2) and c.kv_width == 2 * head_dim
+    assert model.blocks[1].attn.c_k.weight.shape == model.blocks[1].attn.c_v.weight.shape == (c.kv_width, c.n_embd)
+    assert model.value_embeds["1"].weight.shape == (VOCAB, c.kv_width)
+    assert model.blocks[1].attn.ve_gate.weight.shape[0] == c.n_kv_head
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    changed = idx.clone()
+    changed[:, 9:] = 0
+    with torch.no_grad():
+        assert torch.equal(model(changed)[:, :9], model(idx)[:, :9])  # causal
+    T.parameter_groups(model, T.Recipe())  # the table's rows follow the new shapes
+    with pytest.raises(ValueError, match="--n-kv-head 3: must divide the 4 query heads"):
+        config("--n-kv-head", "3")
