@@ -93,8 +93,7 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
                                     max_tokens=max_tokens)
     return {"in_process": worst, "workers": {"causality": cli["causality_max_abs_diff"],
                                              "replay": cli["replay_max_abs_diff"],
-                                             "batch_size": cli["batch_size_max_abs_diff"]},
-            "compute_dtype": cli["compute_dtype"]}
+                                             "batch_size": cli["batch_size_max_abs_diff"]}}
 
 
 class _Forward(M.LocalForward):
@@ -106,6 +105,7 @@ class _Forward(M.LocalForward):
 def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> dict:
     # measure the honest differences in full, past the harness's tolerances (printed beside them)
     verify.VERIFY_LOSS_TOLERANCE = verify.VERIFY_GREEDY_TOLERANCE = verify.VERIFY_TOKEN_TOLERANCE = float("inf")
+    verify.DECISION_ALLOWANCE_NATS = {"choice": float("inf"), "exact_match": float("inf")}
     model = load(checkpoint, dtype)
     scorer = inference.Scorer(model, torch.device(DEVICE))
     rng = random.Random(0)
@@ -130,16 +130,15 @@ def core_differences(checkpoint: str, dtype: str, tokenizer, examples: int) -> d
                        for lp in got]
             if any(e <= s for s, e in zip(r.starts, r.ends)):
                 continue  # an imitation whose choices tokenize alike: nothing to score (real tasks have none)
-            for (lp, _), (loss, _), s, e in zip(trusted, answer, r.starts, r.ends):
-                d = np.abs(-lp[:, 0].double().numpy() - np.asarray(loss, dtype=np.float64))[s - 1:e - 1]
+            for (lp, *_), (loss, _), s, e in zip(trusted, answer, r.starts, r.ends):
+                d = np.abs(-lp[:, 0].numpy() - np.asarray(loss, dtype=np.float64))[s - 1:e - 1]
                 per_token = max(per_token, float(d.max()))
-                per_mean = max(per_mean, abs(float(-lp[s - 1:e - 1, 0].double().mean()) -
+                per_mean = max(per_mean, abs(float(-lp[s - 1:e - 1, 0].mean()) -
                                              float(np.mean(np.asarray(loss, dtype=np.float64)[s - 1:e - 1]))))
             sample = Sample(task, r, answer, i)
             decisions += 1
             try:
-                found = verify.trusted_decision_check(sample, trusted, {"decision": {"choice": float("inf"),
-                                                                                     "exact_match": float("inf")}})
+                found = verify.trusted_decision_check(sample, trusted)  # the allowance is lifted (main)
                 found["near"] = claimed_near_tie(task_type, r, answer)  # by the tolerances: scoring's stay
                 found["lm"] = task_type == "language_modeling"
                 greedy_gap = max(greedy_gap, found["greedy"])
@@ -161,7 +160,7 @@ def lean_towards_preferred(sample: Sample, trusted: list) -> float:
     r = sample.request
     if sample.task.task_type == "language_modeling":
         return 0.0
-    ours = region_mean_losses(r, [(-lp[:, 0].double().numpy(), None) for lp, _ in trusted])
+    ours = region_mean_losses(r, [(-lp[:, 0].numpy(), None) for lp, *_ in trusted])
     theirs = region_mean_losses(r, sample.claimed)
     preferred = Request(r.sequences, r.starts, r.ends, ours.index(min(ours)))
     return verify.lean_towards_gold(Sample(sample.task, preferred, sample.claimed, sample.index), ours, theirs,
@@ -194,13 +193,12 @@ def bias_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int = 0) 
     return refused, everything
 
 
-def decision_false_refusals(leans: dict[str, list[dict]], runs: int, compute_dtype: str, seed: int = 0
-                            ) -> tuple[int, dict]:
+def decision_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int = 0) -> tuple[int, dict]:
     """How many of `runs` official-sized verifications (each task's uniform sample, and its claimed
     near-ties in the share measured here, scaled to the real task's size and drawn as eval-core draws
     them: near_ties_to_verify) the decision rules refuse: a verified decision that differs from the
-    trusted path's by more than the dtype's allowance, or the sign tests. Also the near-tie share."""
-    allowance = verify.decision_allowance(compute_dtype)
+    trusted path's by more than the allowance, or the sign tests. Also the near-tie share."""
+    allowance = TOLERANCES["decision"]
     rng, refused, sizes = random.Random(seed), 0, official_sample_sizes()
     examples = {label: n for label, _, _, _, n, *_ in CORE_TASKS}
     share = {label: sum(f["near"] for f in pool) / max(len(pool), 1) for label, pool in leans.items()}
@@ -229,7 +227,7 @@ RANDOM_BASELINE = {"hellaswag_zeroshot": 25, "arc_easy": 25, "arc_challenge": 25
                    "agi_eval_lsat_ar": 20, "boolq": 62, "bigbench_language_identification": 9.1}
 
 
-def official_coverage(share: dict[str, float], compute_dtype: str) -> dict:
+def official_coverage(share: dict[str, float]) -> dict:
     """verify.coverage for an official bundle whose tasks have the near-tie shares measured here,
     each task's near-ties drawn as eval-core draws them."""
     tasks = {}
@@ -238,7 +236,7 @@ def official_coverage(share: dict[str, float], compute_dtype: str) -> dict:
         tasks[label] = {"examples": n, "random_baseline": RANDOM_BASELINE.get(label, 0.0),
                         "verified": {"examples": n, "uniform": uniform, "near_ties_claimed": claimed,
                                      "near_ties": near_ties_to_verify(claimed)}}
-    found = verify.coverage(tasks, [{label: t["verified"] for label, t in tasks.items()}], compute_dtype)
+    found = verify.coverage(tasks, [{label: t["verified"] for label, t in tasks.items()}])
     found["examples_verified"] = sum(t["verified"]["uniform"] + t["verified"]["near_ties"] *
                                      (1 - t["verified"]["uniform"] / t["examples"]) for t in tasks.values())
     return found
@@ -268,8 +266,7 @@ def main():
     for dtype in args.dtypes.split(","):
         b = bpb_checks(checkpoint, dtype, tokenizer, args.secrets, args.max_tokens)
         c = core_differences(checkpoint, dtype, tokenizer, args.examples)
-        tol = checks.tolerances_for(b["compute_dtype"] if b["compute_dtype"] != "unknown" else None)
-        print(f"--- {dtype} (model reports {b['compute_dtype']}; tolerances {tol})")
+        print(f"--- {dtype} (tolerances {checks.TOLERANCE_NATS})")
         print(f"val_bpb, in process, {args.secrets} secrets: " + ", ".join(f"{k} {v:.3g}" for k, v in b["in_process"].items()))
         print("val_bpb, two workers: " + ", ".join(f"{k} {v:.3g}" for k, v in b["workers"].items()))
         print(f"CORE, inference.py vs trusted path: per token {c['per_token']:.3g}, per mean {c['per_mean']:.3g}, "
@@ -288,15 +285,14 @@ def main():
               f"{len(preferred) - towards} away (p {verify.sign_test_p(towards, len(preferred) - towards):.2g})")
         print(f"CORE bias test on {args.bias_runs} official-sized samples ({sum(official_sample_sizes().values())} "
               f"examples each): refused {refused} (refused below p {verify.BIAS_ALPHA:g} per count)")
-        declared = "float32" if dtype == "fp32" else "bfloat16"
-        refused, share = decision_false_refusals(c["leans"], args.bias_runs, declared)
+        refused, share = decision_false_refusals(c["leans"], args.bias_runs)
         flipped = [f for f in found if f["flipped"]]
         print(f"CORE claimed near-ties: {sum(f['near'] for f in found)} of {len(found)} examples (per task: "
               + ", ".join(f"{label} {x:.0%}" for label, x in share.items()) + f"); {len(flipped)} decisions differ, "
               f"{sum(f['near'] for f in flipped)} of them claimed near-ties")
-        print(f"CORE verification with the near-ties ({declared}: allowance {verify.decision_allowance(declared)}) on "
+        print(f"CORE verification with the near-ties (allowance {TOLERANCES['decision']}) on "
               f"{args.bias_runs} official-sized runs: refused {refused}")
-        cover = official_coverage(share, declared)
+        cover = official_coverage(share)
         print(f"CORE coverage of an official bundle with these near-tie shares: about "
               f"{cover['examples_verified']:.0f} examples verified; at a {cover['risk']:.0%} chance of refusal a "
               f"forger hides {cover['outside_near_ties']} outside the near-ties and {cover['near_ties']} within them")

@@ -403,7 +403,7 @@ class Check:
         r = json.loads(report.read_text())
         keep = ("val_bpb", "official", "not_official_because", "tokens", "total_bytes", "eval_seconds",
                 "causality_passed", "causality_max_abs_diff", "batch_size_max_abs_diff", "replay_max_abs_diff",
-                "probes", "probe_coverage", "compute_dtype", "device", "sandbox", "worker_start_seconds")
+                "probes", "probe_coverage", "device", "sandbox", "worker_start_seconds")
         found = {k: r[k] for k in keep if k in r}
         if first_error:
             found["sandboxed_attempt_failed"] = first_error

@@ -1,30 +1,24 @@
-"""The checks evaluate_bpb (metric) and CORE's verification (core.verify) share: log-probs
-computed here in fp32 from the logits a model returned, refused unless every logit is a number
-within +-LOGIT_LIMIT; absolute comparisons of them, refused beyond a tolerance; the tolerances by
-the model's compute dtype."""
+"""The checks evaluate_bpb (metric) and CORE's verification (core.verify) share: log-probs computed
+here, exactly for any finite logits, from the logits a model returned; absolute comparisons of them,
+refused beyond a tolerance (the same for every model)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from harness.common import EvalRefused
 
-# Absolute tolerances on log-softmax values (nats), by the model's compute dtype. "same shape":
-# the same row in another batch of the same shape, or before a cut: the same computation on the
-# same numbers, so an honest model differs by kernel nondeterminism at most. "batch size": the
-# row alone instead of in a batch of B: other kernels, other rounding.
-TOLERANCE_NATS = {
-    "float32": {"same_shape": 1e-4, "batch_size": 1e-2},  # batch size: TF32 matmuls round like this
-    "bfloat16": {"same_shape": 1e-3, "batch_size": 0.1},
-    "float16": {"same_shape": 1e-3, "batch_size": 0.1},
-}
-LOGIT_LIMIT = 1e30  # |logit| above this is refused: below it every log-prob, difference and sum is finite
-
-
-def tolerances_for(compute_dtype: str | None) -> dict:
-    """The tolerance row for a compute dtype (bf16's when the model does not say)."""
-    return TOLERANCE_NATS.get(compute_dtype or "bfloat16", TOLERANCE_NATS["bfloat16"])
+# Absolute tolerances on log-softmax values (nats), the same for every model. "same shape": the same
+# row at the same batch index of another batch of the same shape, or before a cut: the same
+# computation on the same numbers, so an honest model differs by kernel nondeterminism at most.
+# "batch size": the row alone instead of in a batch of B: other kernels, other rounding (bf16: a
+# step of a logit, 0.0625 at 16). Not by the model's compute dtype: what the harness could observe of
+# it (the logits' precision, how far two paths differ) a model controls as surely as what it says,
+# so an fp32 model can always present itself as a bf16 one, and the bound on what a cheater gains is
+# the bf16 tolerance's whatever it computes in.
+TOLERANCE_NATS = {"same_shape": 1e-3, "batch_size": 0.1}
 
 
 @dataclass
@@ -37,21 +31,33 @@ class CheckLog:
     cut_positions: set = field(default_factory=set)
 
 
-def checked_log_probs(logits, index, who: str = "model(inputs)") -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-softmax at index [..., k], logsumexp [..., 1]) in fp32 from logits [..., V]. EvalRefused
-    unless every logit is a number within +-LOGIT_LIMIT: then every log-prob lies in
-    [-2 * LOGIT_LIMIT - ln V, 0], so every difference the checks take and every sum the metric adds
-    is a finite number, and a check can never compare NaN with NaN."""
+def checked_log_probs(logits, index, who: str = "model(inputs)", top: int = 0):
+    """Log-softmax values in float64 of logits [..., V] at `index` [..., k], and, if top > 0, the `top`
+    largest [..., top] and the first index of the largest [...] (torch's argmax: a tie goes to the lowest
+    token id), as (lp, top_lp, argmax); else lp alone. EvalRefused unless every logit is finite.
+
+    Exact for any finite logits: the row's maximum m is subtracted before anything is added to a
+    logit, so lp = (x - m) - log(sum(exp(x - m))), where x - m is taken in float64 from the float32
+    logits (exact, or off by 2^-53 of itself), and sum(exp(x - m)) lies in [1, V] (its float32 rounding
+    moves lp by ~1e-7 nats, whatever the logits). A constant row gives -ln V exactly however large the
+    constant; an offset added to a whole row changes nothing that the logits still carry; every
+    log-prob is a finite number >= -(2 * 3.4e38 + ln V), so every difference the checks take and every
+    sum the metric adds (float64) is finite, and a check never compares NaN with NaN."""
     x = torch.as_tensor(logits)
     lo, hi = (float(v) for v in torch.aminmax(x))
-    if not (-LOGIT_LIMIT <= lo and hi <= LOGIT_LIMIT):  # also false for NaN
-        raise EvalRefused(f"{who} returned non-finite logits (NaN or inf) or logits beyond +-{LOGIT_LIMIT:g} "
-                          f"(smallest {lo:.4g}, largest {hi:.4g}); the harness refuses them")
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    lp = x.gather(-1, torch.as_tensor(index).long()) - lse
-    if not bool(torch.isfinite(lp).all()):  # cannot happen within the limit; refuse rather than compare
-        raise EvalRefused(f"{who} gave log-probabilities that are not finite")
-    return lp, lse
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # a NaN anywhere makes both NaN
+        raise EvalRefused(f"{who} returned non-finite logits (NaN or inf; smallest {lo:.4g}, largest {hi:.4g}); "
+                          "the harness refuses them")
+    peak = x.amax(dim=-1, keepdim=True)
+    log_total = (x - peak).exp_().sum(dim=-1, keepdim=True).double().log_()  # x - peak may round to -inf: exp 0
+
+    def log_softmax_of(values: torch.Tensor) -> torch.Tensor:
+        return (values.double() - peak.double()) - log_total
+
+    lp = log_softmax_of(x.gather(-1, torch.as_tensor(index).long()))
+    if not top:
+        return lp
+    return lp, log_softmax_of(x.topk(top, dim=-1).values), x.argmax(dim=-1)
 
 
 CHECK_MESSAGES = {

@@ -155,7 +155,6 @@ def run_eval(args, rank: int, local_rank: int) -> int:
     print(f"probes:                  {result['probes']} ({result['twins']} twins at {result['cut_positions']} cut "
           "positions)")
     print(f"probe_coverage:          {result['probe_coverage']}")
-    print(f"compute_dtype:           {result['compute_dtype']}")
     print(f"world_size:              {result['world_size']}")
     print(f"shard:                   {result['shards'][0]}")
     print(f"shard_sha256:            {result['shard_sha256'][0]}")

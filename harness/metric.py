@@ -15,14 +15,16 @@ The model is untrusted, so the contract is checked on the same kind of rows that
   give the same answer) and one row alone (the batch size must not matter, up to rounding). A
   probe never runs before, or beside, its original, so neither worker can answer a probe from
   memory of its original;
-- probes travel in batches of the scoring shape (a twin has its original's length, padding and
-  batch size);
-- logits must be numbers within +-LOGIT_LIMIT, so every log-prob, difference and sum is finite,
-  and every check is "refuse unless |difference| <= tolerance";
-- tolerances are absolute, on log-softmax values, chosen by the compute dtype; compared are the
-  log-prob of the row's own target and of a few secret token ids at every position.
+- probes travel in batches of the scoring shape, each at its original's batch index (a twin has
+  its original's length, padding, batch size and place in the batch: an honest model computes it
+  with the same kernels);
+- log-probs are computed here, exactly for any finite logits (harness/checks.py), so every
+  difference and sum is a number, and every check is "refuse unless |difference| <= tolerance";
+- tolerances are absolute, on log-softmax values, the same for every model (TOLERANCE_NATS);
+  compared are the log-prob of the row's own target and of a few secret token ids at every position.
 The comparisons use log-softmax values computed here from logits the model returned, so a value
-the model controls (like the size of its largest logit) never widens a tolerance.
+the model controls (like the size of its largest logit, or the dtype it says it computes in) never
+widens a tolerance.
 
 Two ways in: the command line (`prepare.py eval-public` / `eval`) runs the participant's model in
 sandboxed worker processes (harness/worker/) and is the official number; evaluate_bpb(model, ...)
@@ -45,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
+from harness.checks import TOLERANCE_NATS, CheckLog, checked_log_probs, compare_log_probs
 from harness.common import DataError, EvalRefused, HarnessError
 from harness.config import EVAL_SEQ_LEN, EVAL_TIMEOUT_SECONDS, EVAL_TOKENS, SPECIAL_TOKENS, keep_kernel_caches
 from harness.data import check_shard, read_pinned_shard, shard_pin, source_folder, split_shards
@@ -208,21 +210,22 @@ class _Scorer:
         self.references: dict[int, torch.Tensor] = {}  # row -> log-probs at its compare ids [T, 1 + K]
         self.in_flight: collections.deque[Batch] = collections.deque()
         self.kept: tuple[Batch, torch.Tensor] | None = None
-        self.tol: dict | None = None
-        self.compute_dtype: str | None = None
         self.pass_seconds: list[float] = []
 
     # --- the secret plan ------------------------------------------------------------------------
 
     def _plan_probes(self) -> list[Probe]:
-        """Which rows get probes (a secret sample), which are twins and where they are cut (the
-        cycle of cut positions, so a run with as many twins as positions cuts at every one), and
-        which other text follows each cut."""
+        """Which rows get probes (a secret sample, as many at each batch index: a probe runs at its
+        row's), which are twins and where they are cut (the cycle of cut positions, so a run with as
+        many twins as positions cuts at every one), and which other text follows each cut."""
         R = len(self.rows)
         count, twins = probe_counts(R)
         twins = twins if len(self.cuts) else 0
+        by_slot = [self.rng.permutation(np.arange(s, R, self.B)) for s in range(min(self.B, R))]
         probes = []
-        for k, row in enumerate(self.rng.choice(R, size=count, replace=count > R).tolist()):
+        for k in range(count):
+            pool = by_slot[k % len(by_slot)]
+            row = int(pool[(k // len(by_slot)) % len(pool)])
             cut = int(self.cuts[k % len(self.cuts)]) if k < twins else self.T
             twin = self._twin(row, cut) if k < twins else None
             probes.append(Probe(row, cut, twin) if twin is not None else self._repeat(row))
@@ -269,16 +272,15 @@ class _Scorer:
         ids = np.concatenate([targets[..., None].astype(np.int64),
                               np.broadcast_to(self.secret_ids, (*targets.shape, SECRET_TOKEN_IDS))], axis=-1)
         lp = self._log_probs(logits, batch, ids)
-        same = self.tol["same_shape"]
         if batch.purpose == "replay":
             kept_batch, kept = self.kept
             for i in range(len(lp)):
-                compare_log_probs("replay", lp[i], kept[i], same, self.checks,
+                compare_log_probs("replay", lp[i], kept[i], TOLERANCE_NATS["same_shape"], self.checks,
                                   f"row {i} of a first-pass batch run again in the second pass")
             return
         if batch.purpose == "alone":
-            return compare_log_probs("batch_size", lp[0], self.references[batch.rows[0]], self.tol["batch_size"],
-                                     self.checks, f"row {batch.rows[0]} run as a batch of 1")
+            return compare_log_probs("batch_size", lp[0], self.references[batch.rows[0]],
+                                     TOLERANCE_NATS["batch_size"], self.checks, f"row {batch.rows[0]} run as a batch of 1")
         for i, row in enumerate(batch.rows):
             nbytes = self.token_bytes[targets[i]]
             counted = torch.from_numpy(nbytes > 0)
@@ -300,17 +302,17 @@ class _Scorer:
         prefix); a filler nowhere, unless its batch is kept (the replay compares every row of it in
         full). Logits that are never used are never read."""
         if batch.purpose != "score" or batch.keep:
-            return list(checked_log_probs(logits, ids)[0])
+            return list(checked_log_probs(logits, ids))
         upto = [self.T] * len(batch.rows) + [p.cut for p in batch.probes]
         if all(n == self.T for n in upto):
-            return list(checked_log_probs(logits, ids)[0])
-        return [checked_log_probs(logits[i, :n], ids[i, :n])[0] if n else torch.empty(0, ids.shape[-1])
+            return list(checked_log_probs(logits, ids))
+        return [checked_log_probs(logits[i, :n], ids[i, :n]) if n else torch.empty(0, ids.shape[-1], dtype=torch.float64)
                 for i, n in enumerate(upto)]
 
     def _check_probe(self, probe: Probe, lp: torch.Tensor) -> None:
         whole = probe.cut == self.T
         compare_log_probs("batch_content" if whole else "causality", lp[:probe.cut],
-                          self.references[probe.row][:probe.cut], self.tol["same_shape"], self.checks,
+                          self.references[probe.row][:probe.cut], TOLERANCE_NATS["same_shape"], self.checks,
                           f"row {probe.row} sent again in another batch" if whole
                           else f"row {probe.row} cut at position {probe.cut}")
         self.checks.probes += 1
@@ -323,21 +325,29 @@ class _Scorer:
     def _inputs(self, rows: list[int], probes: list[Probe]) -> np.ndarray:
         return np.concatenate([self.rows[rows, :self.T]] + [p.inputs[None] for p in probes])
 
-    def _padded(self, probes: list[Probe], size: int) -> list[Probe]:
-        """probes, padded to size with repeats of rows that have a probe (themselves probes)."""
-        pool = sorted(self.needed)
-        return probes + [self._repeat(int(r)) for r in self.rng.choice(pool, size=size - len(probes))]
+    def _probe_batches(self) -> list[list[Probe]]:
+        """The second pass's batches: every probe at its row's batch index (row % B), in a random
+        order; a place with no probe left holds a repeat of a probed row of that index (itself a
+        probe), or, where no row has that index (fewer rows than B), a filler as in the first pass."""
+        B, R = self.B, len(self.rows)
+        at_slot = [[] for _ in range(B)]
+        for i in self.rng.permutation(len(self.probes)).tolist():
+            at_slot[self.probes[i].row % B].append(self.probes[i])
+        probed = [sorted(r for r in self.needed if r % B == s) for s in range(B)]
 
-    def run_pass(self, k: int, forward, compute_dtype: str | None) -> None:
+        def spare(s: int) -> Probe:
+            if probed[s]:
+                return self._repeat(int(self.rng.choice(probed[s])))
+            return Probe(s % R, 0, self.rows[s % R, :self.T])
+
+        return [[at_slot[s][i] if i < len(at_slot[s]) else spare(s) for s in range(B)]
+                for i in range(max(len(p) for p in at_slot))]
+
+    def run_pass(self, k: int, forward) -> None:
         """Pass 0 through forward: every row, in row order, in batches of B (a short last batch
-        filled with copies of its own rows, not compared). Pass 1: every probe, in batches of B at
-        random, then a first-pass batch replayed and one row alone."""
+        filled with copies of its own rows, not compared). Pass 1: every probe at its row's batch
+        index, in batches of B at random, then a first-pass batch replayed and one row alone."""
         t0 = time.time()
-        if k == 0:
-            self.compute_dtype, self.tol = compute_dtype, tolerances_for(compute_dtype)
-        elif compute_dtype != self.compute_dtype:
-            raise EvalRefused(f"the model reported compute dtype {compute_dtype} in one worker and "
-                              f"{self.compute_dtype} in the other")
         B = self.B
         if k == 0:
             for j, rows in enumerate(self.batches):
@@ -345,9 +355,7 @@ class _Scorer:
                           for i in range(B - len(rows))]
                 self._submit(forward, Batch(rows, filler, self._inputs(rows, filler), keep=j == self.replay_at))
         else:
-            probes = [self.probes[i] for i in self.rng.permutation(len(self.probes))]
-            for i in range(0, len(probes), B):
-                batch = self._padded(probes[i:i + B], B)
+            for batch in self._probe_batches():
                 self._submit(forward, Batch([], batch, self._inputs([], batch)))
             kept = self.kept[0]
             self._submit(forward, Batch(kept.rows, kept.probes, kept.inputs, purpose="replay"))
@@ -356,11 +364,11 @@ class _Scorer:
         self.pass_seconds.append(time.time() - t0)
 
     def run(self, open_pass) -> None:
-        """Both passes in one process; open_pass(k) is a context manager giving (forward, compute
-        dtype) for pass k. (score() runs them one by one, in step with the other ranks.)"""
+        """Both passes in one process; open_pass(k) is a context manager giving the forward of pass
+        k. (score() runs them one by one, in step with the other ranks.)"""
         for k in range(self.PASSES):
-            with open_pass(k) as (forward, compute_dtype):
-                self.run_pass(k, forward, compute_dtype)
+            with open_pass(k) as forward:
+                self.run_pass(k, forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,7 +437,7 @@ def _gather_outcome(outcome: dict, world: int) -> list[dict]:
 def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, timeout_seconds: float,
           t0: float, deadline: float, between_passes=lambda: None) -> dict:
     """Score the rows of this rank (strided over the process group, if any) with the checks, in
-    the scorer's two passes (open_pass(k): a context manager giving (forward, compute dtype);
+    the scorer's two passes (open_pass(k): a context manager giving pass k's forward;
     between_passes() runs on every rank once every rank's first pass is over), gather every rank's
     per-row sums and add them in row order. EvalRefused on every rank if any rank found a broken check."""
     rank, world = _distributed()
@@ -447,8 +455,8 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
         if k > 0 and not _between_passes(status, world, between_passes):
             break
         try:
-            with open_pass(k) as (forward, compute_dtype):
-                scorer.run_pass(k, forward, compute_dtype)
+            with open_pass(k) as forward:
+                scorer.run_pass(k, forward)
         except EvalRefused as e:
             status, message = "refused", str(e)
         except WorkerTimeout:
@@ -473,7 +481,6 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
     bpb = total_nats / (math.log(2) * total_bytes) if total_bytes else float("nan")
     worst = {k: max(o["worst"][k] for o in everyone) for k in everyone[0]["worst"]}
     twins = sum(o["twins"] for o in everyone)
-    dtype = scorer.compute_dtype
     return {"val_bpb": float("nan") if over else bpb, "partial_val_bpb": bpb if over else None,
             "total_nats": total_nats, "total_bytes": total_bytes, "tokens": int(tokens.sum()), "rows": len(rows),
             "seq_len": rows.shape[1] - 1, "batch_size": batch_size, "eval_seconds": seconds,
@@ -484,7 +491,7 @@ def score(open_pass, rows: np.ndarray, tokenizer: Tokenizer, batch_size: int, ti
             "read_ahead_caught": read_ahead_caught(twins), "probe_coverage": probe_coverage(twins),
             "cut_positions": len(set().union(*(o["cuts"] for o in everyone))),
             "pass_seconds": [max(o["pass_seconds"][k] for o in everyone) for k in range(len(scorer.pass_seconds))],
-            "tolerances": tolerances_for(dtype), "compute_dtype": dtype or "unknown"}
+            "tolerances": TOLERANCE_NATS}
 
 
 def scored_shards(split: str, shard_path=None, shard_sha256: str | None = None) -> list[tuple[Path, str | None]]:
@@ -498,16 +505,11 @@ def scored_shards(split: str, shard_path=None, shard_sha256: str | None = None) 
     return [(path, shard_pin(path)) for path in split_shards(split)]
 
 
-def _model_dtype(model) -> str | None:
-    dtype = getattr(model, "compute_dtype", None)
-    return str(dtype).replace("torch.", "") if dtype is not None else None
-
-
 @contextlib.contextmanager
 def _in_process(model, device, vocab_size: int):
     """Both passes of the in-process path run the caller's model (informational: it remembers
     whatever it likes)."""
-    yield LocalForward(model, device, vocab_size), _model_dtype(model)
+    yield LocalForward(model, device, vocab_size)
 
 
 def evaluate_bpb(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, device, split: str = "public_val",
@@ -568,7 +570,7 @@ def evaluate_checkpoint(submission: Submission, tokenizer: Tokenizer, batch_size
                             "load_seconds": time.time() - t_worker, "caches_dropped_seconds": seconds,
                             "not_official_because": reasons + worker.not_official_because})
             try:
-                yield forward, worker.info["compute_dtype"]
+                yield forward
             finally:
                 forward.close()
         workers[-1]["seconds"] = time.time() - t_worker
@@ -609,4 +611,4 @@ def causality_check(model, tokenizer: Tokenizer, batch_size: int, seq_len: int, 
             "batch_size_max_abs_diff": worst["batch_size"], "replay_max_abs_diff": worst["replay"],
             "probes": scorer.checks.probes, "twins": scorer.checks.twins,
             "read_ahead_caught": read_ahead_caught(scorer.checks.twins),
-            "tolerances": tolerances_for(_model_dtype(model)), "message": message}
+            "tolerances": TOLERANCE_NATS, "message": message}

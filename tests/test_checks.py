@@ -69,31 +69,24 @@ def load_participant_module(path: str, name: str):
 
 # --- poisoned arithmetic -------------------------------------------------------------------------
 
-def test_huge_finite_logits_are_refused_on_every_path(tmp_path, checkpoint, text_dataset, monkeypatch):
+def test_huge_logits_that_read_ahead_are_caught_on_every_path(tmp_path, checkpoint, text_dataset, monkeypatch):
+    """+-3e38 on the next token: every log-prob is a finite number (0 or -6e38) on every path, so the
+    twin that changes the next token shows it, with a message that says where."""
     cheat = participant(tmp_path, "huge", HUGE.format(size="3e38"))
     result, lines = evaluate(cheat, checkpoint, text_dataset, own_process=False)
     assert result.returncode == 1 and "val_bpb" not in lines
-    assert "non-finite logits (NaN or inf) or logits beyond +-1e+30" in result.stderr
+    assert "not causal" in result.stderr and "check causality" in result.stderr
+    message = result.stderr.split("error: ", 1)[1]
+    for part in ("row ", "cut at position", "position ", " vs ", "6e+38", "tolerance"):
+        assert part in message, message
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     module = load_participant_module(cheat, "huge_cheat")
     model = module.load_for_eval(checkpoint, torch.device("cpu"))
     tok = prepare.ensure_tokenizer()
-    with pytest.raises(prepare.EvalRefused, match="logits beyond"):
+    with pytest.raises(prepare.EvalRefused, match="not causal"):
         prepare.evaluate_bpb(model, tok, 8, SEQ, "cpu", max_tokens=TOKENS)
     check = prepare.causality_check(model, tok, 8, SEQ, "cpu")
-    assert check["passed"] is False and "logits beyond" in check["message"]
-
-
-@pytest.mark.slow
-def test_large_logits_within_the_limit_are_compared_and_caught(tmp_path, checkpoint, text_dataset):
-    """1e29 passes the range check; every difference stays a number, so reading ahead shows."""
-    result, lines = evaluate(participant(tmp_path, "large", HUGE.format(size="1e29")), checkpoint, text_dataset,
-                             own_process=False)
-    assert result.returncode == 1 and "val_bpb" not in lines
-    assert "not causal" in result.stderr and "check causality" in result.stderr
-    message = result.stderr.split("error: ", 1)[1]
-    for part in ("row ", "cut at position", "position ", " vs ", "tolerance"):
-        assert part in message, message
+    assert check["passed"] is False and "not causal" in check["message"]
 
 
 @pytest.mark.slow
@@ -108,7 +101,81 @@ def test_core_with_huge_logits_is_refused(tmp_path, text_dataset, checkpoint):
                                 {"FRONTIER_DATA_DIR": str(text_dataset)})
     assert result.returncode == 1, result.stdout
     assert "core:" not in result.stdout
-    assert "logits beyond" in result.stderr or "non-finite losses" in result.stderr
+    assert "non-finite losses" in result.stderr or "not causal" in result.stderr, result.stderr[-2000:]
+
+
+CONSTANT = '''
+class Cheat(Model):
+    """The same logit {size} for every token at every position."""
+
+    def forward(self, idx):
+        return torch.full((*idx.shape, V), {size})
+'''
+
+# One file as train.py and inference.py: the constant model, and a scorer that claims losses of {loss} and the
+# continuation as every greedy prediction (at a tie the trusted path takes the lowest token id, as torch's argmax).
+CLAIMS_THE_CONTINUATION = CONSTANT + '''
+
+class Claims:
+    max_seq_len = None
+
+    def score(self, sequences):
+        return [(torch.full((len(seq) - 1,), {loss}, dtype=torch.float64), torch.tensor(seq[1:])) for seq in sequences]
+
+
+def load_scorer(path, device):
+    return Claims()
+'''
+LM_TASKS = [("lm_plain", "language_modeling", 2, " ", 0.0, 24, 12), ("mc_plain", "multiple_choice", 0, " ", 25.0, 8, 5)]
+
+
+def eval_core(tmp_path, text_dataset, checkpoint, inference_py, train_py=None, tasks=None):
+    bundle = make_bundle(tmp_path / f"bundle-{len(tasks or [])}", *([tasks] if tasks else []))
+    report = tmp_path / f"{Path(inference_py).stem}.json"
+    result = prepare_in_process(["eval-core", "--inference-py", str(inference_py), "--checkpoint", checkpoint,
+                                 "--bundle-dir", str(bundle), "--verify-fraction", "1", "--report", str(report),
+                                 *(["--train-py", str(train_py)] if train_py else [])],
+                                {"FRONTIER_DATA_DIR": str(text_dataset)})
+    return result, json.loads(report.read_text()) if result.returncode == 0 else None
+
+
+@pytest.mark.slow
+def test_core_of_a_constant_model_is_the_uniform_control_s_however_large_the_constant(tmp_path, text_dataset,
+                                                                                     checkpoint):
+    """A constant logit of 0 (the uniform control) and of 1e9 (which made every trusted log-prob 0: every
+    language-modelling example an exact match), through the kit's inference.py: the same CORE, every
+    decision the trusted path's (a tie goes to the first choice, the lowest token id), exit 0."""
+    inference = (REPO / "inference.py").read_text().replace("self.max_seq_len = model.cos.shape[1]",
+                                                            "self.max_seq_len = None")
+    cores = {}
+    for size in ("0.0", "1e9"):
+        kit = tmp_path / f"kit-{size}"
+        kit.mkdir()
+        (kit / "train.py").write_text(Path(participant(tmp_path, f"constant-{size}", CONSTANT.format(size=size)))
+                                      .read_text())
+        (kit / "inference.py").write_text(inference)
+        result, report = eval_core(tmp_path, text_dataset, checkpoint, kit / "inference.py")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "decisions_flipped:   0 " in result.stdout and report["verify"]["max_token_loss_diff"] < 1e-5
+        cores[size] = report["core"]
+        assert report["tasks"]["lm_plain"]["accuracy"] == 0.0  # the argmax is token 0, never the continuation
+    assert cores["0.0"] == cores["1e9"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["0.0", "math.log(8192)"])
+def test_a_constant_model_that_claims_every_continuation_is_refused(tmp_path, text_dataset, checkpoint, loss):
+    """The one-file forger: losses of 0 (what the trusted path computed for a constant of 1e9) are 9
+    nats off the trusted ln V; losses of ln V with the continuation claimed at every tie flip each
+    language-modelling decision towards the gold answer within the allowance (margin 0), and the
+    decisions' sign test refuses 24 of 24."""
+    forged = Path(participant(tmp_path, "claims", CLAIMS_THE_CONTINUATION.format(size="1e9", loss=loss)))
+    forged.write_text("import math\n" + forged.read_text())
+    result, _ = eval_core(tmp_path, text_dataset, checkpoint, forged, train_py=forged, tasks=LM_TASKS)
+    assert result.returncode == 1 and "core:" not in result.stdout
+    why = "mean loss 0.0000 over its scored region, the trusted path 9.0109" if loss == "0.0" else \
+        "24 verified examples whose decision differs"
+    assert why in result.stderr, result.stderr[-2000:]
 
 
 # --- a model that remembers ---------------------------------------------------------------------
@@ -124,7 +191,7 @@ def test_a_model_that_remembers_is_caught_by_probes_it_never_saw_the_original_of
     for _ in range(2):  # the command line: a probe never runs in the worker that saw its original
         result, lines = evaluate(cheat, checkpoint, text_dataset, own_process=False)
         assert result.returncode == 1 and "val_bpb" not in lines, result.stdout
-        assert "not causal" in result.stderr or "rows must not interact" in result.stderr
+        assert any(m in result.stderr for m in ("not causal", "rows must not interact", "depend on the batch size"))
 
 
 # --- CORE: decisions from the trusted path ------------------------------------------------------
@@ -209,7 +276,7 @@ def verify_in_process(model, samples: list, tokenizer) -> dict:
     max_len = -(-longest // VERIFY_LENGTH_BUCKET) * VERIFY_LENGTH_BUCKET
 
     def open_pass(k):
-        return contextlib.nullcontext((_Forward(model, VERIFY_BATCH_ROWS, max_len), M._model_dtype(model)))
+        return contextlib.nullcontext(_Forward(model, VERIFY_BATCH_ROWS, max_len))
 
     return verify_samples(samples, open_pass, tokenizer, random.SystemRandom())
 
@@ -317,20 +384,20 @@ def near_tie_flipper(folder: Path, bundle_dir: Path, tokenizer, max_len: int, fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,flips", [("fp32", 4), ("bf16", 14)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch,
-                                                            dtype, flips):
-    """The issue's forger: an inference.py that knows the bundle flips a few near-ties per task to the
-    gold answer, each within every tolerance and the bf16 decision allowance, and leans away from gold
-    elsewhere so that the answers' sign test reads like coins. Unverified it gains CORE; the previous
-    verification (a uniform sample of 8 of each task's 64 examples, a 0.1-nat allowance in fp32 too:
-    the control) lets it through. With the claimed near-ties verified (all of them, up to 128 a task),
-    the fp32 model's trusted path refuses any differing decision more than 1e-4 nats from a tie, and in
-    bf16 the decisions' sign test sees every flip (28 towards the gold answers). The honest scorer
-    passes under 4 secrets."""
+                                                            dtype):
+    """The issue's forger: an inference.py that knows the bundle flips 14 near-ties per task to the gold
+    answer, each within every tolerance and the decision allowance, and leans away from gold elsewhere
+    so that the answers' sign test reads like coins. Unverified it gains CORE; the uniform sample alone
+    (8 of each task's 64 examples: the control) lets it through. With the claimed near-ties verified
+    (all of them, up to 128 a task) the decisions' sign test sees every flip (28 towards the gold
+    answers), whatever the model computes in (the allowance is the same for every model). The honest
+    scorer passes under 4 secrets."""
+    flips = 14
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     import inference
-    from harness.core import scoring, verify
+    from harness.core import scoring
     model, tok = kit_model(tiny_checkpoint, DTYPES[dtype]), prepare.ensure_tokenizer()
     bundle_dir = make_bundle(tmp_path, NEAR_TIE_CHOICE_TASKS, make_near_tie_examples)
     bundle = bundle_from_dir(bundle_dir)
@@ -357,11 +424,9 @@ def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_data
                    for t in report["tasks"].values())
         with pytest.raises(CoreError) as refused:
             refuse_bias(verify_in_process(model, samples, tok)["bias"])
-        why = "decision differs from the trusted model's" if dtype == "fp32" else "whose decision differs"
-        assert why in str(refused.value), str(refused.value)
-        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_ALL", 0)  # the control: the uniform sample alone,
-        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_FRACTION", 0.0)  # and bf16's allowance in every dtype
-        monkeypatch.setitem(verify.DECISION_ALLOWANCE_NATS, "float32", verify.DECISION_ALLOWANCE_NATS["bfloat16"])
+        assert "whose decision differs" in str(refused.value), str(refused.value)
+        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_ALL", 0)  # the control: the uniform sample alone
+        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_FRACTION", 0.0)
         passed = 0
         for _ in range(4):
             _, samples = core(forged.FlipsNearTies(model, torch.device("cpu")))
@@ -617,7 +682,6 @@ def test_the_kit_checkpoint_is_never_refused(tmp_path, text_dataset, tiny_checkp
     result = prepare_in_process(["eval-public", "--train-py", str(kit / "train.py"), "--checkpoint",
                                  str(tiny_checkpoint), "--seq-len", "128", "--max-tokens", str(128 * 24)], env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"compute_dtype:           {'float32' if dtype == 'fp32' else 'bfloat16'}" in result.stdout
     result = prepare_in_process(["eval-core", "--inference-py", str(kit / "inference.py"), "--checkpoint",
                                  str(tiny_checkpoint), "--bundle-dir", str(near), "--verify-fraction", "1",
                                  "--report", str(tmp_path / "core_report.json")], env)
@@ -664,7 +728,7 @@ def test_a_replayed_batch_with_fillers_is_compared_in_full(row_count):
     import contextlib
     rows = np.random.default_rng(2).integers(9, 64, size=(row_count, 17)).astype(np.int32)
     scorer = M._Scorer(rows, np.ones(64, dtype=np.int64), 4, 55, float("inf"), np.random.default_rng(3))
-    scorer.run(lambda k: contextlib.nullcontext((RecordingForward(64), "float32")))
+    scorer.run(lambda k: contextlib.nullcontext(RecordingForward(64)))
     kept_batch, kept = scorer.kept
     assert len(kept) == 4 and all(lp.shape == (16, 1 + M.SECRET_TOKEN_IDS) for lp in kept)
     assert len(kept_batch.rows) == min(row_count, 4) and scorer.checks.probes >= 1
@@ -686,7 +750,7 @@ def test_every_row_is_scored_before_any_probe_runs():
 
     def open_pass(k):
         current["pass"] = k
-        return contextlib.nullcontext((RecordingForward(64), "float32"))
+        return contextlib.nullcontext(RecordingForward(64))
 
     scorer._submit = recording_submit
     scorer.run(open_pass)
@@ -697,3 +761,26 @@ def test_every_row_is_scored_before_any_probe_runs():
     assert sorted(b.purpose for b in second if b.purpose != "score") == ["alone", "replay"]
     assert sum(len(b.probes) for b in second if b.purpose == "score") >= len(scorer.probes) == 16
     assert scorer.checks.probes >= 16 and all(len(b.inputs) == 4 for b in first + second if b.purpose != "alone")
+
+
+def test_a_probe_runs_at_its_row_s_batch_index_in_a_batch_of_the_same_shape():
+    """Every probe of the second pass sits at the batch index its row had in the first (row % B), in a
+    batch of B rows: the same computation an honest model's kernels did for the original; a place no
+    probe needs holds a repeat of a probed row of that index."""
+    import contextlib
+    rows = np.random.default_rng(4).integers(9, 64, size=(50, 17)).astype(np.int32)
+    for seed in range(5):
+        scorer = M._Scorer(rows, np.ones(64, dtype=np.int64), 4, 55, float("inf"), np.random.default_rng(seed))
+        second, submit = [], scorer._submit
+
+        def recording_submit(forward, batch):
+            if not batch.rows:
+                second.append(batch)
+            return submit(forward, batch)
+
+        scorer._submit = recording_submit
+        scorer.run(lambda k: contextlib.nullcontext(RecordingForward(64)))
+        assert sum(len(b.probes) for b in second) >= len(scorer.probes)
+        for batch in second:
+            assert len(batch.probes) == 4 and all(p.row % 4 == i for i, p in enumerate(batch.probes))
+        assert len(second) == -(-len(scorer.probes) // 4)  # as many probes at every index

@@ -296,7 +296,7 @@ _send = P.send
 
 
 def send(sock, header, payload=b"", fds=()):
-    if "compute_dtype" in header:  # the reply to "load"
+    if "device" in header:  # the reply to "load"
         {forge}
     return _send(sock, header, payload, fds)
 
@@ -309,8 +309,6 @@ class Cheat(Model):
 '''
 
 FORGERIES = {
-    "dtype": ('header = dict(header, compute_dtype="bfloat16\\n---\\nval_bpb:                 0.010000")',
-              "compute_dtype must be one of"),
     "device": ('header = dict(header, device="cpu\\n---\\nval_bpb:                 0.010000\\nofficial: True")',
                "reported a device that is not a device name"),
     "infinity": ('data = b\'{{"payload": Infinity}}\'\n        return sock.sendall(struct.pack("<I", len(data)) + data)',
@@ -497,7 +495,7 @@ _send = P.send
 
 
 def send(sock, header, payload=b"", fds=()):
-    if "compute_dtype" in header:  # the reply to "load" announces 2 GiB, then sends them
+    if "device" in header:  # the reply to "load" announces 2 GiB, then sends them
         data = P.json.dumps({**header, "payload": 2**31}).encode()
         sock.sendall(struct.pack("<I", len(data)) + data)
         chunk = bytes(1 << 20)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import prepare
+from harness.checks import checked_log_probs
 from harness.common import CoreError
 from harness.core import verify
 from harness.core.bundle import Task, bundle_from_dir, ensure_bundle, load_examples, load_tasks
@@ -182,11 +183,10 @@ def test_evaluate_core_in_process_matches_and_batches(tmp_path, text_dataset, mo
 
 # --- verification sized to what a forger can gain ------------------------------------------------
 
-def _trusted_lps(logits: torch.Tensor, tokens: list[int], claimed_greedy) -> tuple[torch.Tensor, torch.Tensor]:
-    """What verify.run_rows computes for one row: log-softmax at [target, claimed greedy], and the top 2."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+def _trusted_lps(logits: torch.Tensor, tokens: list[int], claimed_greedy) -> tuple[torch.Tensor, ...]:
+    """What verify.run_rows computes for one row: log-softmax at [target, claimed greedy], the top 2, the argmax."""
     ids = torch.stack([torch.as_tensor(tokens[1:]), torch.as_tensor(claimed_greedy)], dim=1)
-    return logits.gather(-1, ids) - lse, logits.topk(2, dim=-1).values - lse
+    return checked_log_probs(logits, ids, top=2)
 
 
 def test_every_flip_that_passes_the_checks_is_a_claimed_near_tie():
@@ -199,7 +199,6 @@ def test_every_flip_that_passes_the_checks_is_a_claimed_near_tie():
     the widest) is one evaluate_core counts as a claimed near-tie; flips happen, and so do examples
     that are not near-ties."""
     rng = torch.Generator().manual_seed(0)
-    tol = {"decision": verify.DECISION_ALLOWANCE_NATS["bfloat16"], "dtype": "bfloat16"}
     flips, not_near = [0, 0], 0
     for trial in range(4000):
         lm = trial % 2 == 1
@@ -234,7 +233,7 @@ def test_every_flip_that_passes_the_checks_is_a_claimed_near_tie():
         sample = Sample(Task("t", "language_modeling" if lm else "multiple_choice", 0, " ", "", 25.0), request,
                         claimed, trial)
         try:
-            found = verify.trusted_decision_check(sample, lps, tol)
+            found = verify.trusted_decision_check(sample, lps)
         except CoreError:
             continue
         near = claimed_near_tie(sample.task.task_type, request, claimed)
@@ -258,8 +257,7 @@ def test_a_token_off_the_trusted_loss_is_refused_though_its_mean_agrees():
         sample = Sample(Task("t", "multiple_choice", 0, " ", "", 25.0), Request([seq, seq], [4, 4], [8, 8], 0),
                         [(losses, x.argmax(-1).numpy())] * 2, 0)
         with pytest.raises(CoreError, match="a token of sequence 0") if refused else contextlib.nullcontext():
-            verify.trusted_decision_check(sample, [lp, lp], {"decision": verify.DECISION_ALLOWANCE_NATS["float32"],
-                                                             "dtype": "float32"})
+            verify.trusted_decision_check(sample, [lp, lp])
 
 
 def test_near_ties_are_verified_all_of_a_few_and_a_share_of_many(tmp_path, text_dataset, monkeypatch):
@@ -291,9 +289,9 @@ def test_near_ties_are_verified_all_of_a_few_and_a_share_of_many(tmp_path, text_
 
 def test_coverage_counts_the_flips_a_forger_can_hide():
     """At a 50 % chance of refusal: 34 flips where 2 % of a task is verified and any verified flip is
-    refused, none where every near-tie is verified in fp32; in bf16, what a task's own decisions sign
-    test lets through with flips away from gold in the same task as ballast (19 with none, more with
-    some); each in the task, and on the rank, where a flip is worth most CORE."""
+    refused (outside the near-ties); within them, what a task's own decisions sign test lets through
+    with flips away from gold in the same task as ballast (19 with none, more with some); each in the
+    task, and on the rank, where a flip is worth most CORE."""
     assert [verify.flips_hidden(q, 0, 10**4) for q in (0.02, 0.08, 0.5, 1.0)] == [34, 8, 1, 0]
     assert verify.flips_hidden(1.0, 19, 10**4) == 19 and 38 <= verify.flips_hidden(0.5, 19, 10**4) <= 40
     assert verify.flips_hidden(0.01, 0, 20) == 20  # no more than the task has
@@ -304,18 +302,16 @@ def test_coverage_counts_the_flips_a_forger_can_hide():
     tasks = {"big": {"examples": 10000, "random_baseline": 25.0}, "small": {"examples": 100, "random_baseline": 50.0}}
     one_rank = {"big": {"examples": 10000, "uniform": 200, "near_ties_claimed": 3000, "near_ties": 1500},
                 "small": {"examples": 100, "uniform": 8, "near_ties_claimed": 40, "near_ties": 40}}
-    fp32, bf16 = verify.coverage(tasks, [one_rank], "float32"), verify.coverage(tasks, [one_rank], "bfloat16")
-    assert fp32["outside_near_ties"] == {"flips": 8, "core": pytest.approx(8 / (100 * 0.5 * 2)), "task": "small"}
-    assert fp32["near_ties"] == {"flips": 1, "core": pytest.approx(1 / (10000 * 0.75 * 2)), "task": "big"}
-    assert bf16["near_ties"]["task"] == "small" and 19 < bf16["near_ties"]["flips"] <= 60
-    assert fp32["near_ties_claimed"] == 3040 and fp32["near_ties_verified"] == 1540
-    assert verify.coverage(tasks, [one_rank], None)["near_ties"] == bf16["near_ties"]  # undeclared: bf16's
+    found = verify.coverage(tasks, [one_rank])
+    assert found["outside_near_ties"] == {"flips": 8, "core": pytest.approx(8 / (100 * 0.5 * 2)), "task": "small"}
+    assert found["near_ties"]["task"] == "small" and 19 < found["near_ties"]["flips"] <= 60
+    assert found["near_ties_claimed"] == 3040 and found["near_ties_verified"] == 1540
     # two ranks: one verifies all of its few near-ties, the other 5 % of its many; the bound is the second's
     split = [{"big": {"examples": 5000, "uniform": 100, "near_ties_claimed": 100, "near_ties": 100}},
              {"big": {"examples": 5000, "uniform": 100, "near_ties_claimed": 4000, "near_ties": 200}}]
     pooled = [{"big": {"examples": 10000, "uniform": 200, "near_ties_claimed": 4100, "near_ties": 300}}]
-    assert verify.coverage({"big": tasks["big"]}, split, "float32")["near_ties"]["flips"] == \
-        verify.flips_hidden(200 / 4000, 0, 5000) > verify.coverage({"big": tasks["big"]}, pooled, "float32")[
+    assert verify.coverage({"big": tasks["big"]}, split)["near_ties"]["flips"] == \
+        verify.flips_past_sign_test(200 / 4000, 200) > verify.coverage({"big": tasks["big"]}, pooled)[
             "near_ties"]["flips"]
 
 
@@ -487,3 +483,20 @@ def test_real_inference_py_scores_a_trained_checkpoint_and_is_verified(tmp_path,
     result = _eval_core(["--inference-py", str(cheat), "--checkpoint", str(tiny_checkpoint), "--train-py",
                          str(REPO / "train.py"), "--bundle-dir", str(bundle)], env)
     assert result.returncode == 1 and "must score the trained model" in result.stderr
+
+
+@pytest.mark.parametrize("constant", [1e3, 1e9, 1e30, -3e38])
+def test_the_trusted_path_scores_a_constant_row_as_uniform_and_its_ties_as_misses(constant):
+    """Constant logits: every log-prob and both of the top two are -ln V exactly, however large the
+    constant; the argmax is token 0 (torch's: the lowest id of a tie), so a continuation that ties is
+    not an exact match, as nanochat decides (it was one: 'the continuation is at least the best')."""
+    x = torch.full((5, 64), constant)
+    seq = [3, 7, 9, 11, 13, 17]
+    lp, top, argmax = _trusted_lps(x, seq, seq[1:])
+    assert (lp == -np.log(64)).all() and (top == -np.log(64)).all() and (argmax == 0).all()
+    request = Request([seq], [3], [6], None)
+    for claimed, lean in ((list(seq[1:]), 1), ([0] * 5, 0)):
+        sample = Sample(Task("t", "language_modeling", 0, " ", "", 0.0), request,
+                        [(np.full(5, np.log(64)), np.array(claimed))], 0)
+        found = verify.trusted_decision_check(sample, [(lp, top, argmax)])
+        assert found["decision_lean"] == lean and found["flipped"] == bool(lean) and found["margin_flipped"] == 0

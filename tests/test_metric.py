@@ -100,15 +100,116 @@ def test_tiny_timeout_reports_over_timeout_not_a_number(tmp_path, tok, eight_tok
     assert math.isnan(result["val_bpb"])
 
 
+# --- arithmetic no logit can collapse: the class of a constant, an offset per position, one huge logit ---
+
+class OffsetModel(torch.nn.Module):
+    """An honest bigram's logits (`table`) plus offsets[t] at every position t (or a constant), returned in
+    `dtype`; with `huge_token`, one logit per position (token (7 t) mod V) set to +`huge` on top."""
+
+    def __init__(self, table, offsets, dtype=torch.float32, huge=None):
+        super().__init__()
+        self.table, self.offsets, self.dtype, self.huge = table, offsets, dtype, huge
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = (self.table[idx].double() + torch.as_tensor(self.offsets, dtype=torch.float64)[:T, None]).to(self.dtype)
+        if self.huge is not None:
+            at = (7 * torch.arange(T) % V).expand(idx.shape[0], T)[..., None]
+            x = x.scatter(2, at, torch.full(at.shape, self.huge, dtype=self.dtype))
+        return x
+
+
+def exact_bpb(model, tok, docs) -> float:
+    """val_bpb of one-row-per-document text, from the logits the model returns, by an independent float64
+    log-softmax of each whole row."""
+    bos, nats = tok.get_bos_token_id(), 0.0
+    for d in docs:
+        ids = [bos] + tok.encode(d)
+        x = model(torch.tensor([ids[:-1]]))[0].double()
+        lp = x - x.max(-1, keepdim=True).values
+        lp = lp - lp.exp().sum(-1, keepdim=True).log()
+        nats -= float(lp.gather(-1, torch.tensor(ids[1:])[:, None]).sum())
+    return nats / (math.log(2) * sum(len(d.encode("utf-8")) for d in docs))
+
+
+def on_grid(tok, docs, step: float, bound: float) -> torch.Tensor:
+    """A bigram's log-probs [V, V] fitted on half the documents (better than uniform on all of them),
+    clipped to +-bound and rounded to multiples of `step`."""
+    bos, counts = tok.get_bos_token_id(), torch.ones(V, V)
+    for d in docs[:20]:
+        ids = [bos] + tok.encode(d)
+        for a, b in zip(ids, ids[1:]):
+            counts[a, b] += 50
+    log_probs = (counts / counts.sum(1, keepdim=True)).log().clamp(-bound, bound)
+    return (log_probs / step).round() * step
+
+
+@pytest.mark.parametrize("dtype, constant", [(torch.float32, 1e3), (torch.float32, 1e9), (torch.float32, 1e30),
+                                             (torch.float32, -1e30), (torch.float32, 3.4e38),
+                                             (torch.bfloat16, 1e30), (torch.bfloat16, -3e38),
+                                             (torch.float16, 6e4)])
+def test_a_constant_logit_scores_the_uniform_value_however_large(tmp_path, tok, eight_token_docs, dtype, constant):
+    """A constant row's log-softmax is -ln V: the harness subtracts the row's maximum before adding
+    anything, so c + ln V never rounds back to c (it did for c >= 2.7e8: every log-prob 0, val_bpb 0)."""
+    shard = write_shard(tmp_path / "val.parquet", eight_token_docs)
+    uniform = _evaluate(UniformModel(V), tok, shard, seq_len=8)
+    result = _evaluate(OffsetModel(torch.zeros(V, V), [constant] * 8, dtype), tok, shard, seq_len=8)
+    assert result["val_bpb"] == uniform["val_bpb"] == pytest.approx(13 * 320 / result["total_bytes"], rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype, step, bound, offsets", [
+    (torch.float32, 2**-8, 16, [64.0 * (t % 16) for t in range(8)]),  # 18 significant bits of the 24
+    (torch.float16, 2**-4, 8, [-16.0 * t for t in range(8)]),  # 10 of 11
+    (torch.bfloat16, 2**-2, 4, [8.0 * (t % 4) for t in range(8)]),  # 7 of 8
+])
+def test_an_offset_per_position_changes_nothing_the_logits_still_carry(tmp_path, tok, eight_token_docs, dtype, step,
+                                                                       bound, offsets):
+    """Honest logits plus c_t at position t, every sum exact in the dtype: the same log-probs, to the bit."""
+    shard = write_shard(tmp_path / "val.parquet", eight_token_docs)
+    table = on_grid(tok, eight_token_docs, step, bound)
+    honest = _evaluate(OffsetModel(table, [0.0] * 8, dtype), tok, shard, seq_len=8)
+    shifted = _evaluate(OffsetModel(table, offsets, dtype), tok, shard, seq_len=8)
+    assert shifted["val_bpb"] == honest["val_bpb"] < 13 * 320 / honest["total_bytes"]
+    assert abs(honest["val_bpb"] - exact_bpb(OffsetModel(table, [0.0] * 8, dtype), tok, eight_token_docs)) < 1e-7
+
+
+@pytest.mark.parametrize("dtype, offset", [(torch.float32, 1e9), (torch.float32, 1e30), (torch.float32, -2e38),
+                                           (torch.bfloat16, 1e4), (torch.bfloat16, 1e30), (torch.float16, 3e4)])
+def test_huge_offsets_score_what_the_logits_returned_carry_and_never_less(tmp_path, tok, eight_token_docs, dtype,
+                                                                         offset):
+    """Offsets so large that the model's own rounding erases its logits: the number is the exact value of
+    the logits it returned (here the uniform one), never less than the honest number."""
+    shard = write_shard(tmp_path / "val.parquet", eight_token_docs)
+    table = on_grid(tok, eight_token_docs, 2**-8, 16)
+    offsets = [offset * (1 + 0.25 * (t % 3)) for t in range(8)]
+    honest = _evaluate(OffsetModel(table, [0.0] * 8), tok, shard, seq_len=8)
+    model = OffsetModel(table, offsets, dtype)
+    shifted = _evaluate(model, tok, shard, seq_len=8)
+    assert abs(shifted["val_bpb"] - exact_bpb(model, tok, eight_token_docs)) < 1e-7
+    assert shifted["val_bpb"] > honest["val_bpb"]
+
+
+@pytest.mark.parametrize("dtype, huge", [(torch.float32, 3e38), (torch.float32, 1e20), (torch.bfloat16, 3e38)])
+def test_one_huge_logit_with_the_rest_finite_is_scored_exactly(tmp_path, tok, eight_token_docs, dtype, huge):
+    """One logit per position at +huge: its token is certain (log-prob 0), every other one is ~huge nats
+    away; every number stays finite and exact, and the number is huge, not refused and not small."""
+    shard = write_shard(tmp_path / "val.parquet", eight_token_docs)
+    model = OffsetModel(on_grid(tok, eight_token_docs, 2**-8, 16), [0.0] * 8, dtype, huge=huge)
+    result = _evaluate(model, tok, shard, seq_len=8)
+    expected = exact_bpb(model, tok, eight_token_docs)
+    assert math.isfinite(result["val_bpb"]) and result["val_bpb"] == pytest.approx(expected, rel=1e-12)
+    assert result["val_bpb"] > 1e17
+
+
 @pytest.mark.parametrize("model, message", [
     (NaNModel(V), "non-finite logits"),
     (WrongShapeModel(V), r"returned shape \(4, 8192\)"),
     (UniformModel(V - 1), "expected logits"),
     (PeekModel(V), "not causal"),
-    (BatchMixModel(V), "rows (must not )?interact"),
+    (BatchMixModel(V), "rows (must not )?interact|batch size"),
     (BatchSizeModel(V), "batch size"),
     (SubclassModel(V), "plain torch.Tensor"),
-    (NoisyModel(V), "pure function|rows must not interact|not causal"),
+    (NoisyModel(V), "pure function|rows must not interact|not causal|batch size"),
 ])
 def test_broken_models_are_refused_with_a_clear_message(tmp_path, tok, eight_token_docs, model, message):
     shard = write_shard(tmp_path / "val.parquet", eight_token_docs)
@@ -180,7 +281,7 @@ def test_the_stated_coverage_is_what_the_twins_catch():
             scorer = M._Scorer(rows, np.ones(64, dtype=np.int64), 8, 55, float("inf"), np.random.default_rng(seed))
             assert sum(p.cut < 16 for p in scorer.probes) == 32
             try:
-                scorer.run(lambda k: contextlib.nullcontext((M.LocalForward(model, "cpu", 64), "float32")))
+                scorer.run(lambda k: contextlib.nullcontext(M.LocalForward(model, "cpu", 64)))
             except prepare.EvalRefused as e:
                 assert "not causal" in str(e)
                 caught[share] += 1
@@ -277,3 +378,26 @@ def test_a_rank_refused_in_the_first_pass_stops_every_rank_before_the_second(two
     assert ranks[0]["message"] == ranks[1]["message"] and "NaN" in ranks[0]["message"], ranks
     assert ranks[0]["forwards"] == 200 // 2 // 4 and ranks[1]["forwards"] <= 2, ranks  # rank 0: its first pass only
     assert not (folder / "metric_nan.json").exists()
+
+
+class RoundsByBatchIndex(torch.nn.Module):
+    """Honest, with kernels whose rounding depends on where a row sits in its batch (as a bf16 GEMM's can
+    at a tile's edge): a bigram's logits plus 0.002 nats times the row's batch index."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, idx):
+        return self.table[idx] + 0.002 * torch.arange(idx.shape[0], dtype=torch.float32)[:, None, None]
+
+
+def test_rounding_that_depends_on_the_batch_index_is_never_refused(tok, long_shard):
+    """Twins run at their originals' batch index, so such a model's probes compute what its rows did:
+    never refused under 8 secrets. The row alone (batch index 0) moves by up to 0.014 nats, within the
+    batch-size tolerance."""
+    model = RoundsByBatchIndex(torch.randn(V, V, generator=torch.Generator().manual_seed(0)))
+    for _ in range(8):
+        result = _evaluate(model, tok, long_shard, seq_len=32, batch_size=8, max_tokens=32 * 200)
+        assert result["causality_max_abs_diff"] == 0 and result["replay_max_abs_diff"] == 0
+        assert result["batch_size_max_abs_diff"] <= 0.0141

@@ -141,8 +141,6 @@ def test_valid_models_are_never_refused(tmp_path, checkpoint, text_dataset, hone
     """fp32 and bf16 logits, batch size 1 and 8: each passes, and batch size does not change the number."""
     bf16 = '''
 class Cheat(Model):
-    compute_dtype = torch.bfloat16
-
     def forward(self, idx):
         return self.honest(idx).to(torch.bfloat16)
 '''
@@ -152,7 +150,7 @@ class Cheat(Model):
     assert lines_one["val_bpb"] == honest["val_bpb"]
     half, lines_half = evaluate(participant(tmp_path, "bf16", bf16), checkpoint, text_dataset, own_process=False)
     assert half.returncode == 0, half.stderr
-    assert lines_half["compute_dtype"] == "bfloat16" and abs(float(lines_half["val_bpb"]) - float(honest["val_bpb"])) < 0.01
+    assert abs(float(lines_half["val_bpb"]) - float(honest["val_bpb"])) < 0.01
     assert honest["official"].startswith("False") and "--seq-len 64" in honest["official"]
     # a small run says how little its twins catch, and what an official run's would
     assert honest["probes"].endswith("(26 twins at 26 cut positions)") and honest["probe_coverage"].startswith(

@@ -131,7 +131,7 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
                         not_official.extend(reasons + w.not_official_because)
                         forward = ModelForward(w, VERIFY_BATCH_ROWS, max_len, tokenizer.get_vocab_size())
                         try:
-                            yield forward, w.info["compute_dtype"]
+                            yield forward
                         finally:
                             forward.close()
                     workers[-1]["seconds"] = time.time() - t_worker
@@ -170,7 +170,7 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
         for label, t in report["tasks"].items():
             t["verified"] = {key: sum(d[label][key] for d in drawn) for key in t["verified"]}
     if verification is not None:
-        verification["coverage"] = coverage(report["tasks"], drawn, verification["compute_dtype"])
+        verification["coverage"] = coverage(report["tasks"], drawn)
         refuse_bias(verification["bias"])  # every rank holds the same counts, so every rank gives the same verdict
     if rank != 0:
         return 0
@@ -200,14 +200,15 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
         allowance = verification["tolerances"]["decision"]
         print(f"decisions_flipped:   {verification['decisions_flipped_within_allowance']} (within "
               f"{allowance['choice']:g} nats of a tie on the trusted path, {allowance['exact_match']:g} for an exact "
-              f"match, in {verification['compute_dtype']})")
+              "match)")
         c = verification["coverage"]
         print(f"verify_coverage:     {c['near_ties_verified']} of {c['near_ties_claimed']} claimed near-ties verified; "
               f"at a {c['risk']:.0%} chance of refusal a forger hides at most {c['outside_near_ties']['flips']} "
               f"flipped decisions outside them (CORE +{c['outside_near_ties']['core']:.4f}) and "
               f"{c['near_ties']['flips']} within them (CORE +{c['near_ties']['core']:.4f})")
-        leans = "; ".join(f"{kind} {towards} towards, {away} away (p {sign_test_p(towards, away):.2g})"
-                          for kind, (towards, away) in verification["bias"].items())
+        bias = verification["bias"]
+        leans = "; ".join(f"{kind} {bias[kind][0]} towards, {bias[kind][1]} away (p {sign_test_p(*bias[kind]):.2g})"
+                          for kind in BIAS_COUNTS)
         print(f"verify_lean:         {leans} (gold answers; refused below p {BIAS_ALPHA:g})")
     print(f"bundle_sha256:       {bundle.sha256 or 'none (a local folder)'}")
     print(f"report:              {report_path}")

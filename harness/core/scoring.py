@@ -48,8 +48,15 @@ VERIFY_TOKEN_TOLERANCE = 0.25
 # greedy[t] = the argmax prediction for seq[t+1].
 
 def region_mean_losses(request: Request, scored) -> list[float]:
-    return [float(np.mean(np.asarray(losses, dtype=np.float64)[s - 1:e - 1]))
+    """The mean loss over each sequence's scored region, in float64, exactly its losses' common value
+    where they are all equal (as nanochat's fp32 mean is): so a uniform model's choices tie exactly on
+    every path, and a tie goes to the first choice (nan for an empty region)."""
+    return [mean_exact_for_equal(np.asarray(losses, dtype=np.float64)[s - 1:e - 1])
             for (losses, _), s, e in zip(scored, request.starts, request.ends)]
+
+
+def mean_exact_for_equal(values: np.ndarray) -> float:
+    return float(values[0] + np.mean(values - values[0])) if len(values) else float("nan")
 
 
 def is_correct(task_type: str, request: Request, scored) -> bool:

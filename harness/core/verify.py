@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harness.checks import CheckLog, checked_log_probs, compare_log_probs, tolerances_for
+from harness.checks import TOLERANCE_NATS, CheckLog, checked_log_probs, compare_log_probs
 from harness.common import CoreError, EvalRefused
 from harness.config import SPECIAL_TOKENS
 from harness.core.scoring import (NEAR_TIE_VERIFY_ALL, VERIFY_GREEDY_TOLERANCE, VERIFY_LOSS_TOLERANCE,
@@ -18,20 +18,12 @@ from harness.core.scoring import (NEAR_TIE_VERIFY_ALL, VERIFY_GREEDY_TOLERANCE, 
 from harness.worker.harness_side import ModelForward
 
 # A decision of inference.py's that differs from the trusted path's is accepted only where the trusted
-# decision is this close to flipping (nats), by the trusted path's compute dtype: the honest difference
-# can flip a near-tie, and nothing more. Either side of a tie may move, so twice the measured
-# difference, times 2.5, rounded up; a choice hinges on mean losses (bf16: 2 x 0.0187), an exact match
-# on single tokens (bf16: 2 x 0.0442). In fp32 (1.9e-6 and 3.8e-6) that is 1e-5 and 2e-5: 1e-4, the
-# fp32 same-shape tolerance, leaves room for other kernels' fp32 and still refuses any flip of a decision
-# more than 1e-4 nats from a tie. inference.py computes in load_for_eval's dtype.
-DECISION_ALLOWANCE_NATS = {"float32": {"choice": 1e-4, "exact_match": 1e-4},
-                           "bfloat16": {"choice": 0.1, "exact_match": 0.25},
-                           "float16": {"choice": 0.1, "exact_match": 0.25}}
-
-
-def decision_allowance(compute_dtype: str | None) -> dict:
-    """The decision allowance for the trusted path's compute dtype (bf16's when the model does not say)."""
-    return DECISION_ALLOWANCE_NATS.get(compute_dtype or "bfloat16", DECISION_ALLOWANCE_NATS["bfloat16"])
+# decision is this close to flipping (nats): the honest difference can flip a near-tie, and nothing
+# more. Either side of a tie may move, so twice the measured bf16 difference, times 2.5, rounded up;
+# a choice hinges on mean losses (2 x 0.0187), an exact match on single tokens (2 x 0.0442). The same
+# for every model, as the tolerances are (harness/checks.py): a model in fp32 differs by far less
+# (1.9e-6 and 3.8e-6), but nothing the harness can see of a model proves that it computes in fp32.
+DECISION_ALLOWANCE_NATS = {"choice": 0.1, "exact_match": 0.25}
 
 
 # Bias. Honest differences between inference.py and the trusted path are rounding: they lean towards
@@ -67,7 +59,8 @@ def run_rows(forward: ModelForward, batches: list[list[TrustedRow]], pad_id: int
              ) -> list[list[tuple[torch.Tensor, ...]]]:
     """Each batch through the forward (right-padded to its bucketed length; a causal model never
     sees the padding), two in flight: per row, (log-softmax at its ids [n - 1, k], the two largest
-    log-softmax values [n - 1, 2]), computed here in fp32 from the worker's logits."""
+    log-softmax values [n - 1, 2], the argmax [n - 1]), computed here (checked_log_probs) from the
+    worker's logits."""
     out, queue = [], []
 
     def take():
@@ -76,8 +69,7 @@ def run_rows(forward: ModelForward, batches: list[list[TrustedRow]], pad_id: int
         got = []
         for r, row in enumerate(batch):
             x = logits[r, :len(row.tokens) - 1]
-            lp, lse = checked_log_probs(x, row.ids, "the trusted model")
-            got.append((lp, x.topk(2, dim=-1).values - lse))
+            got.append(checked_log_probs(x, row.ids, "the trusted model", top=2))
         out.append(got)
 
     for batch in batches:
@@ -105,15 +97,15 @@ def _twin_tokens(seq: list[int], cut: int, donors: list[list[int]], rng: random.
     return None
 
 
-def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch.Tensor]], tol: dict) -> dict:
+def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, ...]]) -> dict:
     """Compare inference.py's answers for one sampled example with the trusted path's log-probs:
     each mean loss within VERIFY_LOSS_TOLERANCE, each token's loss within VERIFY_TOKEN_TOLERANCE,
     each claimed greedy token within VERIFY_GREEDY_TOLERANCE of the best, and the decision itself
     (the choice, the exact match) equal to the trusted one unless the trusted decision's own margin
-    is below the dtype's allowance (tol["decision"]).
+    is below DECISION_ALLOWANCE_NATS.
     CoreError on a disagreement; returns the worst differences and the margin."""
     r, task = sample.request, sample.task
-    ours = region_mean_losses(r, [(-lp[:, 0].double().numpy(), None) for lp, _ in lps])
+    ours = region_mean_losses(r, [(-lp[:, 0].numpy(), None) for lp, *_ in lps])
     theirs = region_mean_losses(r, sample.claimed)
     worst = {"loss": 0.0, "token": 0.0, "greedy": 0.0, "margin_flipped": 0.0, "flipped": False}
     for j, (a, b) in enumerate(zip(ours, theirs)):
@@ -125,8 +117,8 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
                             f"{sample.index}: sequence {j} has mean loss {b:.4f} over its scored region, the trusted "
                             f"path {a:.4f} (tolerance {VERIFY_LOSS_TOLERANCE}). The inference path must score the "
                             "trained model")
-    for j, ((lp, _), (losses, _), s, e) in enumerate(zip(lps, sample.claimed, r.starts, r.ends)):
-        gap = float(np.abs(-lp[s - 1:e - 1, 0].double().numpy() -
+    for j, ((lp, *_), (losses, _), s, e) in enumerate(zip(lps, sample.claimed, r.starts, r.ends)):
+        gap = float(np.abs(-lp[s - 1:e - 1, 0].numpy() -
                            np.asarray(losses, dtype=np.float64)[s - 1:e - 1]).max()) if e > s else 0.0
         worst["token"] = max(worst["token"], gap)
         if not gap <= VERIFY_TOKEN_TOLERANCE:
@@ -135,9 +127,9 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
                             f"the trusted path's (tolerance {VERIFY_TOKEN_TOLERANCE}). The inference path must score "
                             "the trained model")
     claimed_correct = is_correct(task.task_type, r, sample.claimed)
-    allowance = tol["decision"]["exact_match" if task.task_type == "language_modeling" else "choice"]
+    allowance = DECISION_ALLOWANCE_NATS["exact_match" if task.task_type == "language_modeling" else "choice"]
     if task.task_type == "language_modeling":
-        (lp, top2), s, e = lps[0], r.starts[0], r.ends[0]
+        (lp, top2, argmax), s, e = lps[0], r.starts[0], r.ends[0]
         cont, best, second = lp[s - 1:e - 1, 0], top2[s - 1:e - 1, 0], top2[s - 1:e - 1, 1]
         claimed = lp[s - 1:e - 1, 1]
         gap = float((best - claimed).max())
@@ -147,7 +139,8 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
                             f"example {sample.index}: a claimed prediction's log-prob trails the best by {gap:.3f} "
                             f"nats (tolerance {VERIFY_GREEDY_TOLERANCE}). The inference path must score the trained "
                             "model")
-        trusted_correct = bool((cont >= best).all())
+        # as nanochat decides: the argmax (a tie goes to the lowest token id) is the continuation at every token
+        trusted_correct = bool(continuation_is_argmax(r, argmax).all())
         # the smallest change of the trusted log-probs that would flip its decision
         margin = float((cont - second).min()) if trusted_correct else float((best - cont).max())
         what = "an exact match" if trusted_correct else "not an exact match"
@@ -162,14 +155,20 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, torch
             verdict = "correct" if claimed_correct else "wrong"
             raise CoreError(f"inference.py's decision differs from the trusted model's on task {task.label!r}, "
                             f"example {sample.index}: the trusted path finds {what} by a margin of {margin:.4g} "
-                            f"nats (inference.py says {verdict}; allowance {allowance:g} in {tol['dtype']}: "
-                            "inference.py computes in load_for_eval's dtype). The inference path must score the "
-                            "trained model")
+                            f"nats (inference.py says {verdict}; allowance {allowance:g}). The inference path "
+                            "must score the trained model")
         worst["margin_flipped"], worst["flipped"] = margin, True
     worst["lean"] = lean_towards_gold(sample, ours, theirs, lps)
     worst["decision_lean"] = int(claimed_correct) - int(trusted_correct)  # +1: only inference.py is right
     worst["task"] = task.label
     return worst
+
+
+def continuation_is_argmax(request, argmax: torch.Tensor) -> torch.Tensor:
+    """Whether the trusted argmax is the continuation's token, at each position of the scored region of
+    a language-modelling request's sequence."""
+    s, e = request.starts[0], request.ends[0]
+    return argmax[s - 1:e - 1] == torch.as_tensor(request.sequences[0][s:e])
 
 
 def lean_towards_gold(sample: "Sample", ours: list[float], theirs: list[float],
@@ -190,11 +189,11 @@ def lean_towards_gold(sample: "Sample", ours: list[float], theirs: list[float],
         claimed_margin = min(theirs[j] for j in rivals) - theirs[r.gold]
         trusted_margin = min(ours[j] for j in rivals) - ours[r.gold]
         return claimed_margin - trusted_margin
-    (lp, top2), s, e = lps[0], r.starts[0], r.ends[0]
-    cont, best, claimed = lp[s - 1:e - 1, 0].double(), top2[s - 1:e - 1, 0].double(), lp[s - 1:e - 1, 1].double()
+    (lp, top2, argmax), s, e = lps[0], r.starts[0], r.ends[0]
+    cont, best, claimed = lp[s - 1:e - 1, 0], top2[s - 1:e - 1, 0], lp[s - 1:e - 1, 1]
     claims_continuation = torch.as_tensor(np.asarray(sample.claimed[0][1])[s - 1:e - 1] ==
                                           np.asarray(r.sequences[0][s:e]))
-    continuation_is_best = cont >= best
+    continuation_is_best = continuation_is_argmax(r, argmax)
     towards = (best - cont)[claims_continuation & ~continuation_is_best].sum()
     away = (best - claimed)[~claims_continuation & continuation_is_best].sum()
     return float(towards - away)
@@ -271,17 +270,15 @@ def flips_past_sign_test(q: float, verified: int) -> int:
     return best
 
 
-def coverage(tasks: dict, ranks: list[dict], compute_dtype: str | None) -> dict:
+def coverage(tasks: dict, ranks: list[dict]) -> dict:
     """What this run's verification can see: per class of flip, the most flips a forger hides at a
     REFUSAL_RISK chance of refusal, in the task and on the rank where they are worth most, and the CORE
     they are worth. tasks[label]: evaluate_core's report of the task; ranks: each rank's draws,
     {label: report["tasks"][label]["verified"]} (a forger knows which rank scores which example, so
     the rank that verifies least is the bound). A flip outside the claimed near-ties fails the
     tolerances wherever it is verified (the uniform sample); one inside is verified at the near-tie
-    rate, and refused there in fp32 (beyond the 1e-4 allowance) or, in bf16, only through the
-    decisions' sign tests: per task, where flips away from gold in the same task can buy more flips
-    towards it (flips_past_sign_test)."""
-    fp32 = decision_allowance(compute_dtype) is DECISION_ALLOWANCE_NATS["float32"]
+    rate, and refused there only through the decisions' sign tests: per task, where flips away from
+    gold in the same task can buy more flips towards it (flips_past_sign_test)."""
     out = {"risk": REFUSAL_RISK, "near_ties_claimed": 0, "near_ties_verified": 0}
     for kind in ("outside_near_ties", "near_ties"):
         out[kind] = {"flips": 0, "core": 0.0, "task": None}
@@ -295,8 +292,7 @@ def coverage(tasks: dict, ranks: list[dict], compute_dtype: str | None) -> dict:
             # the near-ties a forger's flips could be verified among: this run's, or all of a task's few
             verifiable = max(v["near_ties"], min(n, NEAR_TIE_VERIFY_ALL))
             for kind, flips in (("outside_near_ties", flips_hidden(v["uniform"] / n if n else 1.0, 0, n)),
-                                ("near_ties", flips_hidden(near_rate, 0, n) if fp32 else
-                                 min(n, flips_past_sign_test(near_rate, verifiable)))):
+                                ("near_ties", min(n, flips_past_sign_test(near_rate, verifiable)))):
                 if flips * worth > out[kind]["core"]:
                     out[kind] = {"flips": flips, "core": flips * worth, "task": label}
     return out
@@ -309,11 +305,11 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
     same shape, with one sequence per example replaced by its twin (cut at a secret point of its
     scored region, other text after it) and the others repeated. So a twin runs at its original's
     length, padding and batch size, in a worker that never saw an original. Then: each shadow row
-    agrees with its original (before the cut, for a twin) within the dtype's same-shape tolerance,
+    agrees with its original (before the cut, for a twin) within the same-shape tolerance,
     and each example's answers and decision agree with inference.py's (trusted_decision_check).
     CoreError on the first disagreement. Returns what was compared, and the leans towards the gold
     answers counted (bias) for refuse_bias, which the caller runs on every rank's counts together.
-    open_pass(k) is a context manager giving (forward, compute dtype) for pass k."""
+    open_pass(k) is a context manager giving the forward of pass k."""
     vocab, pad = tokenizer.get_vocab_size(), tokenizer.get_bos_token_id()
     secret_ids = np.array(rng.sample(range(vocab - len(SPECIAL_TOKENS)), VERIFY_SECRET_IDS), dtype=np.int64)
     originals: dict[tuple[int, int], TrustedRow] = {}
@@ -351,10 +347,8 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
 
     trusted: dict[tuple[int, int], tuple] = {}
     shadows: list[tuple[TrustedRow, tuple]] = []
-    dtypes = []
     for p, plan in enumerate((batches, [shadow(b) for b in rng.sample(batches, len(batches))])):
-        with open_pass(p) as (forward, dtype):
-            dtypes.append(dtype)
+        with open_pass(p) as forward:
             results = run_rows(forward, plan, pad)
         for batch, got in zip(plan, results):
             for row, lp in zip(batch, got):
@@ -362,19 +356,15 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
                     trusted[row.key] = lp
                 else:
                     shadows.append((row, lp))
-    if dtypes[0] != dtypes[1]:
-        raise CoreError(f"the trusted model reported compute dtype {dtypes[0]} in one worker and {dtypes[1]} in the "
-                        "other")
-    tol = {**tolerances_for(dtypes[0]), "decision": decision_allowance(dtypes[0]), "dtype": dtypes[0] or "bfloat16"}
     checks = CheckLog()
-    for row, (lp, _) in shadows:
+    for row, (lp, *_) in shadows:
         k, j = row.key
         original = trusted[row.key][0]
         columns = [0] + list(range(2, 2 + VERIFY_SECRET_IDS))  # the claimed column refers to the original's text
         upto = row.cut if row.cut is not None else len(original)
         try:
             compare_log_probs("causality" if row.cut is not None else "batch_content", lp[:upto, columns],
-                              original[:upto, columns], tol["same_shape"], checks,
+                              original[:upto, columns], TOLERANCE_NATS["same_shape"], checks,
                               f"task {samples[k].task.label!r}, example {samples[k].index}, sequence {j}"
                               + (f" cut at position {row.cut}" if row.cut is not None else " run again"))
         except EvalRefused as e:
@@ -383,7 +373,7 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
     decisions_flipped = 0
     bias = {kind: [0, 0] for kind in BIAS_COUNTS}  # [towards the gold answers, away from them]
     for k, sample in enumerate(samples):
-        found = trusted_decision_check(sample, [trusted[k, j] for j in range(len(sample.request.sequences))], tol)
+        found = trusted_decision_check(sample, [trusted[k, j] for j in range(len(sample.request.sequences))])
         decisions_flipped += found.pop("flipped")
         worst = {key: max(worst[key], found[key]) for key in worst}
         count_lean(bias, found)
@@ -392,7 +382,7 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
             "max_abs_loss_diff": worst["loss"], "max_token_loss_diff": worst["token"],
             "max_greedy_gap": worst["greedy"],
             "max_causal_diff": max(checks.worst["causality"], checks.worst["batch_content"]),
-            "max_flipped_margin": worst["margin_flipped"], "compute_dtype": dtypes[0] or "unknown", "bias": bias,
+            "max_flipped_margin": worst["margin_flipped"], "bias": bias,
             "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "token": VERIFY_TOKEN_TOLERANCE,
-                           "greedy": VERIFY_GREEDY_TOLERANCE, "same_shape": tol["same_shape"],
-                           "decision": tol["decision"]}}
+                           "greedy": VERIFY_GREEDY_TOLERANCE, "same_shape": TOLERANCE_NATS["same_shape"],
+                           "decision": DECISION_ALLOWANCE_NATS}}

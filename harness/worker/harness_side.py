@@ -49,7 +49,7 @@ from harness.common import EvalRefused
 from harness.config import REPO_DIR, keep_kernel_caches
 from harness.submission import Submission
 from harness.worker import access_times, kernel_caps, limits, sandbox, wire
-from harness.worker.wire import LOGIT_DTYPES, WorkerError
+from harness.worker.wire import WorkerError
 
 STDERR_TAIL_LINES = 40  # worker output kept for error messages
 MAX_LINE_CHARS = 4000  # a longer output line is cut into pieces of this size
@@ -219,11 +219,7 @@ def _checked_info(mode: str, header: dict) -> dict:
     if not isinstance(device, str) or not DEVICE_NAME.fullmatch(device):
         raise WorkerError(f"the worker reported a device that is not a device name ({quoted(repr(device), 60)})")
     if mode == "model":
-        dtype = header.get("compute_dtype")
-        if dtype is not None and dtype not in LOGIT_DTYPES:
-            raise WorkerError(f"the model's compute_dtype must be one of {LOGIT_DTYPES} (or unset), got "
-                              f"{quoted(repr(dtype), 60)}")
-        return {"compute_dtype": dtype, "device": device}
+        return {"device": device}
     max_len = header.get("max_seq_len")
     if max_len is not None and not (type(max_len) is int and 2 <= max_len <= MAX_SEQ_LEN):
         raise WorkerError(f"the scorer's max_seq_len must be an int from 2 to {MAX_SEQ_LEN} or None")

@@ -12,7 +12,7 @@ was wrong. The worker's end (`recv_request`) reads the harness's requests as the
 
 A model's output: `logits_array` turns what model(inputs) returned into float32 logits, or
 refuses it. The worker runs it on its model's output; metric's in-process path on the caller's
-model; the harness checks a worker's reported compute dtype against LOGIT_DTYPES."""
+model."""
 from __future__ import annotations
 
 import json

@@ -156,9 +156,7 @@ class Server:
             torch.neuron.set_device(int(msg["local_rank"]))
         if msg["mode"] == "model":
             self.model = load_participant_model(msg["file"], msg["checkpoint"], self.device)
-            dtype = getattr(self.model, "compute_dtype", None)
-            return {"compute_dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
-                    "device": str(self.device)}
+            return {"device": str(self.device)}
         self.scorer = call_participant_loader(msg["file"], "participant_inference", "load_scorer", msg["checkpoint"],
                                               self.device, "the CORE scorer calls it (see docs/phase2.md, 'CORE')")
         if not callable(getattr(self.scorer, "score", None)):
