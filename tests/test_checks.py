@@ -126,6 +126,21 @@ class Claims:
 def load_scorer(path, device):
     return Claims()
 '''
+# The uniform control with rounding of its own: every loss ln V, nudged by 1e-5 nats by the sequence's place
+# in the call, so that its choices break their ties otherwise than the trusted path (the first choice).
+BREAKS_TIES_OTHERWISE = CONSTANT + '''
+
+class Nudged:
+    max_seq_len = None
+
+    def score(self, sequences):
+        return [(torch.full((len(seq) - 1,), math.log(V) - 1e-5 * (p % 7), dtype=torch.float64),
+                 torch.zeros(len(seq) - 1, dtype=torch.long)) for p, seq in enumerate(sequences)]
+
+
+def load_scorer(path, device):
+    return Nudged()
+'''
 LM_TASKS = [("lm_plain", "language_modeling", 2, " ", 0.0, 24, 12), ("mc_plain", "multiple_choice", 0, " ", 25.0, 8, 5)]
 
 
@@ -144,7 +159,8 @@ def test_core_of_a_constant_model_is_the_uniform_control_s_however_large_the_con
                                                                                      checkpoint):
     """A constant logit of 0 (the uniform control) and of 1e9 (which made every trusted log-prob 0: every
     language-modelling example an exact match), through the kit's inference.py: the same CORE, every
-    decision the trusted path's (a tie goes to the first choice, the lowest token id), exit 0."""
+    decision the trusted path's (a tie goes to the first choice, the lowest token id), exit 0. And the
+    control breaking its ties otherwise (decisions that differ within the allowance, either way): exit 0."""
     inference = (REPO / "inference.py").read_text().replace("self.max_seq_len = model.cos.shape[1]",
                                                             "self.max_seq_len = None")
     cores = {}
@@ -160,6 +176,11 @@ def test_core_of_a_constant_model_is_the_uniform_control_s_however_large_the_con
         cores[size] = report["core"]
         assert report["tasks"]["lm_plain"]["accuracy"] == 0.0  # the argmax is token 0, never the continuation
     assert cores["0.0"] == cores["1e9"]
+    nudged = Path(participant(tmp_path, "nudged", BREAKS_TIES_OTHERWISE.format(size="0.0")))
+    nudged.write_text("import math\n" + nudged.read_text())
+    result, report = eval_core(tmp_path, text_dataset, checkpoint, nudged, train_py=nudged)
+    assert result.returncode == 0, result.stderr[-2000:]  # the lean line printed every count (it crashed)
+    assert report["verify"]["decisions_flipped_within_allowance"] > 3 and "verify_lean:         answers " in result.stdout
 
 
 @pytest.mark.slow
