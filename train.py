@@ -1,24 +1,15 @@
 """
-The baseline recipe: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget.
-This is the one file a participant edits. The recipe comes first, top to bottom: its hyperparameters,
-the model (its architecture, declared once) and its loss, the optimizer's update rule and parameter
-table, the schedules, the training step and loop, load_for_eval. Under the banner "Machinery" follows
-what a run needs and a recipe rarely touches: the run's bookkeeping, devices, the NKI kernels (and the
---nki-* flags that bind them in place of the model's ops), data parallelism and ZeRO-1, batch geometry,
-the budget clock, checkpoint and resume, the command line, main().
+The baseline recipe: a nanochat-style GPT trained with Muon + AdamW for a fixed wall-clock budget, the one file a
+participant edits. The recipe comes first, top to bottom (hyperparameters, the model and its loss, the optimizer,
+the schedules, the data, the loop, load_for_eval); under the banner "Machinery" follows what a run needs around it.
 
-    NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py   # Trainium2, 8 ranks
-    NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks
+    NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py   # Trainium2, 4 ranks of 2 cores
     NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=64 train.py --preset phase2   # 16 chips, 4 h
     python train.py --preset cpu      # a laptop: 5 minutes that learn something
-    python train.py --preset gpu      # one CUDA GPU, 5 minutes
+    python train.py --help            # every hyperparameter is a flag; the organisers' spellings work too
 
-Every hyperparameter is a flag (--depth 12, --matrix-lr 0.03, ...); the organisers' spellings
-(--num-steps, --max-train-seconds, --device-type) and NEURON_COMPETITION_R1_* variables work too.
-It imports from prepare.py only the names the organisers' prepare.py has, so it runs under their
-harness as under this kit's. The run writes out/final.pt and prints a summary after `---`;
---save-every SECONDS and --resume out/state make a long run resumable. The scorer imports this file
-and calls load_for_eval(). Sizing a run for a budget is a tool beside it: python tools/plan.py.
+It imports from prepare.py only the names the organisers' prepare.py has, so it runs under their harness too. The
+run writes out/final.pt and prints a summary after `---`; the scorer imports this file and calls load_for_eval().
 """
 from __future__ import annotations
 
@@ -36,6 +27,7 @@ import re
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,18 +45,15 @@ from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, 
                      TRAIN_TIME_BUDGET_SECONDS, _row_groups_for_split, ensure_tokenizer, evaluate_bpb, get_dist_info,
                      make_dataloader, print0, record_step_boundary)
 
+
 # ===============================================================================================
 # THE RECIPE
 # ===============================================================================================
-
-
 @dataclass
 class Recipe:
-    """The hyperparameters: everything that changes the training trajectory. Each is a flag (--depth 12,
-    --matrix-lr 0.03, ...), and --resume continues only a run of the same recipe. How a run executes
-    around it (device, compilation, kernels, output, snapshots) is RunOptions, under the banner below."""
-    # Model: its size here; what it is made of (softcap, rotary base, the ingredients) is the Architecture
-    # dataclass at the top of the model section, whose fields are flags too (--value-embeds alternate, ...)
+    """The hyperparameters: everything that changes the training trajectory, each a flag (--depth 12); --resume
+    continues only a run of the same recipe. How a run executes around it is RunOptions, under the banner below."""
+    # Model: its size here; what it is made of is Architecture (the model section), whose fields are flags too
     depth: int = 10  # transformer blocks; depth 10 at aspect ratio 64 is ~59.6M parameters
     aspect_ratio: int = 64  # width = depth * aspect_ratio, rounded up to a multiple of head_dim
     head_dim: int = 128  # 128 matches the 128x128 TensorEngine and the 128-lane SBUF partitions
@@ -120,29 +109,23 @@ RECIPE_RULES = {**dict.fromkeys("depth aspect_ratio head_dim seq_len total_batch
                 "time_budget": (lambda v: v > 0, "a positive number of seconds")}
 
 
-# -----------------------------------------------------------------------------------------------
-# Model: GPT with untied embedding/head, RMSNorm, rotary embeddings, QK-norm, ReLU^2, softcap
-# -----------------------------------------------------------------------------------------------
-
+# ---- Model: GPT with untied embedding/head, RMSNorm, rotary embeddings, QK-norm, ReLU^2, softcap ---------------------
 EVAL_SEQ_LEN = 1024  # the scorer's evaluation context (the organisers' and this kit's): the rotary tables cover it
 
 
 def ingredient(off, on):
-    """An Architecture field that is off by default (the default d10 stays the organisers' baseline,
-    docs/presets-and-benchmarks.md "Ingredients"); `on` is a value that turns it on, which the tests and
-    benchmarks/preset_sweep.py use."""
+    """An Architecture field, off by default (the default d10 stays the organisers' baseline); `on` turns it on."""
     return field(default=off, metadata={"on": on})
 
 
 @dataclass
 class Architecture:
-    """What the GPT is made of beyond its size. Each field is a flag (--value-embeds alternate) and a key of
-    the checkpoint's model_config; GPTConfig checks them."""
+    """What the GPT is made of beyond its size: each field a flag and a key of the checkpoint's model_config."""
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
     n_kv_head: int = 0  # key/value heads, fewer than the query heads for grouped-query attention (0: one per head)
-    # layers whose attention values add a token embedding of their own through a per-head gate (nanochat's
-    # value embeddings): "" none, "alternate" (every other layer, the last one included), "all", or indices "0,2"
+    # nanochat's value embeddings: "alternate" layers (every other one, the last one included) add a token
+    # embedding of their own to the attention's values, through a gate per key/value head; "": none
     value_embeds: str = ingredient("", on="alternate")
     # attention context per layer, the pattern tiled over the layers: L the full context, S a sliding window of
     # short_window tokens; the last layer is always L
@@ -157,8 +140,7 @@ def every_ingredient() -> dict:
 
 @dataclass
 class GPTConfig(Architecture):
-    """The model: its architecture and its size. Checked here, once: a malformed ingredient is an error when
-    the config is made (before any data, device or process group), never at the first step."""
+    """The model, its architecture and size, checked here once: a malformed flag fails before any data or device."""
     sequence_len: int = 2048
     vocab_size: int = TOKENIZER_VOCAB_SIZE
     n_layer: int = 10
@@ -174,10 +156,7 @@ class GPTConfig(Architecture):
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             raise ValueError(f"--n-kv-head {self.n_kv_head}: must divide the {self.n_head} query heads (0: as many)")
         self.window_pattern = self.window_pattern.upper()
-        if "S" in self.window_pattern:
-            self.short_window = self.short_window or max(1, self.sequence_len // 4)
-        else:
-            self.short_window = 0
+        self.short_window = (self.short_window or max(1, self.sequence_len // 4)) if "S" in self.window_pattern else 0
         self.value_embed_layers = value_embed_layers(self.value_embeds, self.n_layer)
         self.windows = layer_windows(self.window_pattern, self.short_window, self.n_layer)
 
@@ -198,22 +177,10 @@ VALUE_EMBED_GATE_CHANNELS = 32  # the gate of a value embedding reads this many 
 
 
 def value_embed_layers(spec: str, n_layer: int) -> list[int]:
-    """The layers with a value embedding, from --value-embeds."""
-    spec = spec.strip().lower()
-    if spec in ("", "none"):
-        return []
-    if spec == "all":
-        return list(range(n_layer))
-    if spec == "alternate":  # nanochat's: every other layer, counted back from the last
-        return [i for i in range(n_layer) if i % 2 == (n_layer - 1) % 2]
-    try:
-        layers = sorted({int(part) for part in spec.split(",")})
-    except ValueError:
-        layers = [-1]
-    if not all(0 <= i < n_layer for i in layers):
-        raise ValueError(f"--value-embeds {spec!r}: use none, alternate, all, or layer indices 0..{n_layer - 1} "
-                         "separated by commas")
-    return layers
+    """The layers with a value embedding, from --value-embeds: every other one counted back from the last, or none."""
+    if spec not in ("", "alternate"):
+        raise ValueError(f"--value-embeds {spec!r}: use alternate (nanochat's layers), or leave it empty for none")
+    return [i for i in range(n_layer) if i % 2 == (n_layer - 1) % 2] if spec == "alternate" else []
 
 
 def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int | None]:
@@ -266,9 +233,8 @@ def autocast_context(device_type: str, dtype: torch.dtype | None):
 
 
 def uses_flex_attention(device: torch.device) -> bool:
-    """Whether window layers run FlexAttention: on CUDA, inside torch.compile, which fuses it into one kernel
-    that skips the blocks outside the window (a dense boolean mask rules out SDPA's flash kernels). Elsewhere
-    (CPU, Neuron, eager CUDA, packed rows) the same window is a dense mask for SDPA."""
+    """Whether window layers run FlexAttention: on CUDA inside torch.compile, one kernel that skips the blocks outside
+    the window (a dense mask rules out SDPA's flash kernels); elsewhere the same window is a dense mask for SDPA."""
     return device.type == "cuda" and torch.compiler.is_compiling()
 
 
@@ -338,8 +304,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(V, C)
         self.blocks = nn.ModuleList(Block(config, i in config.value_embed_layers) for i in range(L))
         self.lm_head = nn.Linear(C, V, bias=False)
-        # Per-layer mix of the residual stream and the (normed) embedding x0, as in nanochat. Scalars start at
-        # the values they are made with; init_weights sets the matrices.
+        # Per-layer mix of the residual stream and the (normed) embedding x0, as in nanochat.
         self.resid_lambdas = nn.Parameter(torch.ones(L))
         self.x0_lambdas = nn.Parameter(torch.full((L,), 0.1))
         # The ingredients: each exists only when its flag is on, so the baseline keeps the organisers' parameters.
@@ -352,16 +317,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """nanochat's init, by what each weight is, drawn in nanochat's order (the token embedding, the head, then
-        the rest as declared). A weight two modules share is drawn once, by the first: a head tied to the token
-        embedding keeps the embedding's unit normal. Scalars keep the values they are made with.
-        - the token embedding: normal, std 1; any other Embedding (value embeddings): as c_v below;
-        - a head, any Linear to the vocabulary (lm_head, a second head of your own): normal, std 0.001;
-        - a Linear that writes to the residual stream, the one each branch of a block (attention, MLP, a branch of
-          your own) declares last (c_proj), and a value-embedding gate: zero (each block starts as the identity,
-          each gate neutral);
-        - any other Linear: uniform in +-sqrt(3 / width).
-        A weight with a rule of its own is one more branch below."""
+        """nanochat's init, by what each weight is, in nanochat's order (the token embedding, the head, then the rest as
+        declared); a weight two modules share is drawn once, by the first (a tied head keeps the embedding's). The
+        token embedding: normal, std 1. A head, any Linear to the vocabulary (a second head too): normal, std 0.001.
+        The Linear each branch of a block (attention, MLP, one of yours) declares last, which writes to the residual
+        stream, and a value-embedding gate: zero (each block starts as the identity). Any other Linear or Embedding:
+        uniform in +-sqrt(3 / width). Scalars keep their values; a rule of your own is one more branch below."""
         bound = 3**0.5 * self.config.n_embd**-0.5
         writers = set()
         for block in self.blocks:
@@ -418,9 +379,8 @@ class GPT(nn.Module):
         return softcap(logits, cap) if logits.requires_grad else logits.div_(cap).tanh_().mul_(cap)
 
     def layer_masks(self, T: int, positions: torch.Tensor | None, attn_mask: torch.Tensor | None) -> list:
-        """Each layer's attention mask: the caller's (None: causal) for a full-context layer; for a window
-        layer, that mask limited to keys less than the window behind the query by rotary position (so that
-        in a packed row each sequence keeps its own distances)."""
+        """Each layer's attention mask: the caller's (None: causal), limited in a window layer to keys less than the
+        window behind the query by rotary position (in a packed row, each sequence keeps its own distances)."""
         windows = self.config.windows
         if all(w is None for w in windows):
             return [attn_mask] * len(windows)
@@ -449,17 +409,15 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def training_loss(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
-    """What training minimises, from the head's logits [B, T, V] (the compute dtype): the mean cross-entropy
-    of the softcapped logits, in fp32. An auxiliary term goes here (--nki-softcap-ce refuses a loss that is
-    no longer exactly this)."""
+    """What training minimises, from the head's logits [B, T, V]: the mean cross-entropy of the softcapped logits,
+    in fp32. An auxiliary term goes here (--nki-softcap-ce refuses a loss that is no longer exactly this)."""
     logits = softcap(logits.float(), cap)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", init: bool = True) -> GPT:
-    """The GPT on `device`, initialised (init) or left for a state dict, with its forward set up: autocast
-    to the compute dtype (`dtype` as --dtype: auto is bf16 where the device is fast at it). Training,
-    load_for_eval, tools, benchmarks and tests all build it here."""
+    """The GPT on `device`, initialised (init) or left for a state dict, its forward autocast to the compute dtype
+    (`dtype` as --dtype). Training, load_for_eval, tools, benchmarks and tests all build it here."""
     model = GPT(config).to(device)
     if init:
         model.init_weights()
@@ -468,10 +426,7 @@ def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", init: bool
     return model
 
 
-# -----------------------------------------------------------------------------------------------
-# Optimizer: Muon (Polar Express, NorMuon, cautious weight decay) for matrices, AdamW for the rest
-# -----------------------------------------------------------------------------------------------
-
+# ---- Optimizer: Muon (Polar Express, NorMuon, cautious weight decay) for matrices, AdamW for the rest ----------------
 # Polar Express (Amsel et al. 2025) coefficients for 5 iterations, as in modded-nanogpt and nanochat.
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -549,15 +504,11 @@ def update_groups(work: list[dict], hyper: list[dict]) -> None:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """The update rule, two of them, from each parameter's value and gradient (p, p.grad) alone. Groups of
-    kind 'muon' hold same-shaped matrices, updated together: Nesterov momentum, Polar Express, NorMuon
-    rescaling, cautious weight decay. Groups of kind 'adamw' hold everything else. State lives on each
-    parameter's device. Under torchrun, DataParallelOptimizer (under the banner below) wraps it: it averages
-    the gradients over ranks and hands it only this rank's share of the parameters to update.
-
-    The per-step hyperparameters (SCHEDULED) are plain numbers in each param group, written as in nanochat
-    (`group["lr"] = ...`); each step copies them, with one host-to-device copy, into 0-D device tensors that
-    the update reads, so `compile_backend` compiles the step once: a new value is data, not a new graph."""
+    """The update rule, from each parameter's value and gradient alone: groups of kind 'muon' hold same-shaped
+    matrices, updated together; groups of kind 'adamw' the rest. Under torchrun DataParallelOptimizer (under the
+    banner below) wraps it, averaging the gradients and handing it this rank's share. The per-step values
+    (SCHEDULED) are plain numbers in each param group (`group["lr"] = ...`, as in nanochat), copied each step
+    into 0-D device tensors: a new value is data, never a new graph."""
 
     SCHEDULED = ("lr", "momentum", "weight_decay")
 
@@ -565,8 +516,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})
         device = next(p.device for g in self.param_groups for p in g["params"])
         self._hyper_keys = [(i, k) for i, g in enumerate(self.param_groups) for k in self.SCHEDULED if k in g]
-        self._hyper_host = torch.zeros(len(self._hyper_keys))
-        self._hyper = self._hyper_host.to(device)
+        self._hyper = torch.zeros(len(self._hyper_keys), device=device)
         self._group_keys = [set(g) for g in self.param_groups]  # a key a group did not start with is a mistake
         # State, created now so that state_dict() is complete before a step.
         for group in self.param_groups:
@@ -593,9 +543,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if added:
                 raise KeyError(f"param group {i} ({group['kind']}) got {sorted(added)}, which its update does not "
                                f"read; it schedules {[k for g, k in self._hyper_keys if g == i]}")
-        for j, (i, k) in enumerate(self._hyper_keys):
-            self._hyper_host[j] = float(self.param_groups[i][k])
-        self._hyper.copy_(self._hyper_host)
+        self._hyper.copy_(torch.tensor([float(self.param_groups[i][k]) for i, k in self._hyper_keys]))
         values = [{} for _ in self.param_groups]
         for j, (i, k) in enumerate(self._hyper_keys):
             values[i][k] = self._hyper[j]
@@ -619,8 +567,6 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for i, k in self._hyper_keys:  # snapshots of earlier versions held these as 0-D tensors
-            self.param_groups[i][k] = float(self.param_groups[i][k])
         for p, state in self.state.items():
             if "step" in state:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
@@ -631,9 +577,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 def parameter_table(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[tuple]:
-    """The per-parameter table, (parameters, rule) a row: which rule updates each parameter, and how. A new
-    parameter is one row; parameter_groups (under the banner below) refuses, naming it, a parameter without a
-    row or in two. ns_dtype: Polar Express's precision (None: fp32)."""
+    """The per-parameter table, (parameters, rule) a row. A new parameter is one row; parameter_groups (below the
+    banner) names a parameter without a row or in two. ns_dtype: Polar Express's precision (None: fp32)."""
     width_scale = (model.config.n_embd / 768) ** -0.5  # AdamW learning rates were tuned at width 768
     adamw = dict(kind="adamw", betas=(recipe.adam_beta1, recipe.adam_beta2), eps=1e-10, weight_decay=0.0)
     muon = dict(kind="muon", lr=recipe.matrix_lr, momentum=recipe.muon_momentum_start, ns_steps=recipe.muon_ns_steps,
@@ -648,11 +593,7 @@ def parameter_table(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = t
     ]
 
 
-# -----------------------------------------------------------------------------------------------
-# Schedules: functions of progress = charged seconds / training seconds, in [0, 1]
-# -----------------------------------------------------------------------------------------------
-
-
+# ---- Schedules: functions of progress = charged seconds / training seconds, in [0, 1] --------------------------------
 def lr_multiplier(progress: float, recipe: Recipe) -> float:
     if progress < recipe.warmup_ratio:
         return progress / recipe.warmup_ratio
@@ -679,22 +620,16 @@ def apply_schedules(optimizer: MuonAdamW, progress: float, recipe: Recipe) -> fl
 
 
 def training_progress(step: int, charged_seconds: float, training_seconds: float, recipe: Recipe) -> float:
-    """Where the run is in its schedules, in [0, 1]. With a step count (--max-steps / --num-steps) it is
-    step / max_steps, the same in every run of the same flags, so an interrupted and resumed run
-    follows the schedule of an uninterrupted one; the time budget still stops the run. Otherwise it is
-    charged time over training time, which adapts to the machine's speed."""
+    """Where the run is in its schedules, in [0, 1]: step / max_steps with a step count (--max-steps), the same in
+    every run of the same flags, resumed or not; otherwise charged time over training time."""
     if recipe.max_steps > 0:
         return min(1.0, step / recipe.max_steps)
     return min(1.0, max(0.0, charged_seconds / training_seconds))
 
 
-# -----------------------------------------------------------------------------------------------
-# Data: which tokens the steps train on
-# -----------------------------------------------------------------------------------------------
-# prepare.py's make_dataloader packs documents best-fit into rows that each start at a document's start,
-# and crops a document that does not fit the room left. The rules let a submission sample its own data:
-# prepare.py's _document_batches gives this rank's share of the training documents to build on
-# (docs/recipes.md has a sampler that keeps the cropped rest for a later row).
+# ---- Data: which tokens the steps train on ---------------------------------------------------------------------------
+# prepare.py's make_dataloader packs documents best-fit into rows that each start at a document's start, and crops
+# a document that does not fit. A sampler of your own builds on _document_batches (docs/recipes.md has one).
 
 
 def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.device, start_batch: int):
@@ -703,15 +638,10 @@ def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.d
                            start_batch=start_batch)
 
 
-# -----------------------------------------------------------------------------------------------
-# Training: one step, and the loop
-# -----------------------------------------------------------------------------------------------
-
-
+# ---- Training: one step, and the loop --------------------------------------------------------------------------------
 def train_step(model: nn.Module, optimizer, batches, grad_accum_steps: int):
-    """One optimizer step over grad_accum_steps micro-batches from `batches` (under torchrun the optimizer
-    averages the gradients over ranks). Returns (the mean loss on this rank as a tensor, the loader state
-    of the last batch)."""
+    """One optimizer step over grad_accum_steps micro-batches from `batches`: (the mean loss on this rank as a
+    tensor, the loader state of the last batch)."""
     loss_sum = None
     for _ in range(grad_accum_steps):
         x, y, state = next(batches)
@@ -724,16 +654,15 @@ def train_step(model: nn.Module, optimizer, batches, grad_accum_steps: int):
 
 
 def train(recipe: Recipe, run: Run) -> None:
-    """Train for the budget, then save out_dir/final.pt and score public_val. `run` is the bookkeeping around
-    the loop (the machinery): ranks, batch geometry, resuming, the budget clock, progress lines, the
-    divergence guard, snapshots, the stop rule, the checkpoint and the summary."""
+    """Train for the budget, then save out_dir/final.pt and score public_val. `run` is the bookkeeping around the
+    loop (the machinery): resuming, the budget clock, progress lines, snapshots, the stop rule, the summary."""
     model = build_model(model_config(recipe, run.tokenizer.get_vocab_size()), run.device, recipe.dtype)
     optimizer = build_optimizer(model, recipe, run.options, model.compute_dtype, run.profile.compile_backend,
                                 run.geometry.grad_accum_steps)
     step_model = run.start(model, optimizer)  # resumes, same weights on every rank, compiles
     batches = training_batches(recipe, run.tokenizer, run.geometry.device_batch_size, run.device, run.batches_done)
     while True:
-        progress = training_progress(run.step, run.charged_seconds(), run.training_seconds, recipe)
+        progress = training_progress(run.state.step, run.clock.charged_seconds(), run.training_seconds, recipe)
         lrm = apply_schedules(optimizer, progress, recipe)
         loss, loader_state = train_step(step_model, optimizer, batches, run.geometry.grad_accum_steps)
         if run.step_done(loss, loader_state, progress, lrm):
@@ -741,11 +670,7 @@ def train(recipe: Recipe, run: Run) -> None:
     run.finish()
 
 
-# -----------------------------------------------------------------------------------------------
-# The scorer's entry point
-# -----------------------------------------------------------------------------------------------
-
-
+# ---- The scorer's entry point ----------------------------------------------------------------------------------------
 def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
     """The scorer's entry point: the trained model from checkpoint_path on `device`, in eval mode,
     frozen, with a pure causal forward: logits[:, t] depend only on tokens 0..t of their own row."""
@@ -769,27 +694,18 @@ def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
 # MACHINERY: what a run needs around the recipe, rarely edited: the run's bookkeeping, devices, the NKI kernels,
 # data parallelism and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the command line, main().
 # ===============================================================================================
-
-# -----------------------------------------------------------------------------------------------
-# The run: everything around the training loop
-# -----------------------------------------------------------------------------------------------
-
-
+# ---- The run: everything around the training loop --------------------------------------------------------------------
 class TrainingDiverged(RuntimeError):
     pass
 
 
-def predicted_step_seconds(step_times: list[float]) -> float:
-    """The next step's duration: the longest of the last five after start-up (0 while there are none)."""
-    timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:]
-    return max(timed[-5:]) if timed else 0.0
-
-
 def out_of_time(charged_seconds: float, step_times: list[float], snapshot_seconds: float,
                 training_seconds: float) -> bool:
-    """Whether another step and the snapshot due after it would end past training_seconds (the save's reserve
-    kept). Start-up steps predict nothing, so a cold compile never ends the run."""
-    return charged_seconds + predicted_step_seconds(step_times) + snapshot_seconds > training_seconds
+    """Whether another step and the snapshot due after it would end past training_seconds (the save's reserve kept),
+    the next step as long as the longest of the last five after start-up: start-up steps, where a cold compile
+    happens, predict nothing."""
+    timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:]
+    return charged_seconds + (max(timed[-5:]) if timed else 0.0) + snapshot_seconds > training_seconds
 
 
 class Run:
@@ -805,16 +721,12 @@ class Run:
         self.model = self.optimizer = self.clock = None
 
     @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
     def batches_done(self) -> int:
         """Micro-batches this rank's loader has given so far (a resumed run skips them)."""
         return self.state.step * self.geometry.grad_accum_steps
 
-    def charged_seconds(self) -> float:
-        return self.clock.charged_seconds()
+    def mfu_percent(self, tokens_per_second: float) -> float:
+        return 100 * self.flops_per_token * tokens_per_second / (self.profile.peak_flops * self.world_size)
 
     def start(self, model: GPT, optimizer: DataParallelOptimizer) -> nn.Module:
         """Same weights on every rank, --resume, the clock, the header; returns the module each step calls."""
@@ -848,7 +760,7 @@ class Run:
                f", of which {self.reserve:.0f}s kept for the save | schedules on "
                f"{'steps' if recipe.max_steps > 0 else 'charged time'}")
         if options.resume:
-            print0(f"resumed: {options.resume} at step {self.step}, {self.state.charged_seconds:.1f}s charged so far")
+            print0(f"resumed: {options.resume} at step {self.state.step}, {self.state.charged_seconds:.1f}s charged")
         self._mark = clock_seconds()  # the first step starts now
         return torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
 
@@ -865,16 +777,14 @@ class Run:
         stop = out_of_time(charged, self.step_times, self.snapshot_seconds if snapshot_due else 0.0,
                            self.training_seconds) or 0 < self.recipe.max_steps <= state.step + 1
         loss_value, stop = agree_across_ranks(loss, stop, self.world_size)
-        vocab = self.model.config.vocab_size
-        if not math.isfinite(loss_value) or loss_value > 2 * math.log(vocab):
-            raise TrainingDiverged(f"training diverged at step {state.step}: loss {loss_value} (uniform guessing is "
-                                   f"{math.log(vocab):.2f}); no checkpoint written. Lower the learning rates or "
-                                   "check the last change.")
+        uniform = math.log(self.model.config.vocab_size)
+        if not math.isfinite(loss_value) or loss_value > 2 * uniform:
+            raise TrainingDiverged(f"training diverged at step {state.step}: loss {loss_value} (uniform guessing: "
+                                   f"{uniform:.2f}); no checkpoint written: lower the learning rates, or undo an edit")
         state.smooth_loss = 0.9 * state.smooth_loss + 0.1 * loss_value
         if self.rank == 0 and (len(self.step_times) <= 5 or state.step % options.log_every == 0 or stop):
-            tok_per_sec = self.recipe.total_batch_size / dt
-            mfu = 100 * self.flops_per_token * tok_per_sec / (self.profile.peak_flops * self.world_size)
-            smooth = state.smooth_loss / (1 - 0.9 ** (state.step + 1))
+            tok_per_sec, smooth = self.recipe.total_batch_size / dt, state.smooth_loss / (1 - 0.9 ** (state.step + 1))
+            mfu = self.mfu_percent(tok_per_sec)
             print(f"step {state.step:05d} ({100 * progress:4.1f}%) | loss: {smooth:.6f} | lrm: {lrm:.2f} | "
                   f"dt: {dt * 1000:.0f}ms | tok/sec: {tok_per_sec:,.0f} | mfu: {mfu:.1f}% | "
                   f"epoch: {loader_state['epoch']} | remaining: {self.training_seconds - charged:.0f}s", flush=True)
@@ -916,7 +826,6 @@ class Run:
         model, profile, state = self.model, self.profile, self.state
         timed = self.step_times[TRAIN_STARTUP_STEPS_EXCLUDED:] or self.step_times  # start-up steps compile, warm up
         tok_per_sec = self.recipe.total_batch_size * len(timed) / sum(timed)
-        mfu = 100 * self.flops_per_token * tok_per_sec / (profile.peak_flops * self.world_size)
         median_step = self.clock.median_step_seconds()
         summary = []
         if result is not None:
@@ -933,13 +842,13 @@ class Run:
             ("median_step_seconds", f"{median_step:.3f}" if median_step is not None else "nan"),
             ("total_seconds", f"{final['elapsed_seconds']:.1f}"), ("num_steps", state.step),
             ("total_tokens_M", f"{state.tokens_seen / 1e6:.1f}"), ("tokens_per_second", f"{tok_per_sec:.0f}"),
-            ("mfu_percent", f"{mfu:.2f}"), ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
+            ("mfu_percent", f"{self.mfu_percent(tok_per_sec):.2f}"),
+            ("peak_tflops", f"{profile.peak_flops / 1e12:.3f}"),
             ("peak_source", f"{profile.peak_source} (per rank; MFU's denominator)"),
             ("comm_seconds_per_step", f"{self.optimizer.comm_seconds / len(self.step_times):.4f}"),
             ("peak_memory_mb", f"{peak_memory_mb(self.device):.1f}"),
             ("num_params_M", f"{model.num_params() / 1e6:.1f}"), ("depth", model.config.n_layer),
-            ("seq_len", self.recipe.seq_len),
-            ("device", f"{self.device.type} x {self.world_size}"),
+            ("seq_len", self.recipe.seq_len), ("device", f"{self.device.type} x {self.world_size}"),
             ("compute_dtype", str(profile.compute_dtype or torch.float32).replace("torch.", "")),
             ("checkpoint", checkpoint),
         ]
@@ -950,10 +859,7 @@ class Run:
                          self.recipe.time_budget)
 
 
-# -----------------------------------------------------------------------------------------------
-# Devices: everything device-specific lives here
-# -----------------------------------------------------------------------------------------------
-
+# ---- Devices: everything device-specific lives here ------------------------------------------------------------------
 NEURONCORE_BF16_FLOPS = 79e12  # per physical NeuronCore-v3 (Trainium2: 8 per chip, 667 TFLOPS)
 CUDA_BF16_FLOPS = {"H100": 989.5e12, "H200": 989.5e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12,
                    "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "4090": 165.2e12}  # dense bf16 datasheets
@@ -1001,13 +907,11 @@ def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: floa
 
 
 def detect_device_type() -> str:
-    try:
+    with contextlib.suppress(Exception):  # no torch.neuron (not the native Neuron backend), or no runtime behind it
         if torch.neuron.is_available():
             return "neuron"
-    except Exception:  # no torch.neuron (not the native Neuron backend), or no runtime behind it
-        pass
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if accelerator is not None and accelerator.type == "neuron":
+    if getattr(accelerator, "type", None) == "neuron":
         return "neuron"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -1100,13 +1004,10 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process's peak RSS
 
 
-# -----------------------------------------------------------------------------------------------
-# Kernels: the inline NKI kernel relu(x)^2, and the --nki-* flags that bind kernels in place of ops
-# -----------------------------------------------------------------------------------------------
-# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI kernels
-# (defined only where nki imports), an autograd.Function that runs them, and an op that takes the kernel where
-# the tensor fits and the reference elsewhere. A train.py may be uploaded alone, so it keeps its own copy of
-# the kernels/common.py functions it needs (tests/test_kernels.py holds the two copies equal).
+# ---- Kernels: the inline NKI kernel relu(x)^2, and the --nki-* flags that bind kernels in place of ops ---------------
+# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI kernels, an
+# autograd.Function that runs them, and an op that takes the kernel where the tensor fits. A train.py may be uploaded
+# alone, so it keeps its own copy of what it needs of kernels/common.py (tests/test_kernels.py holds them equal).
 
 try:
     import nki
@@ -1258,16 +1159,10 @@ def nki_kernel(flag: str):
     """The NKI op of a --nki-* flag; kernels/ is imported only here, so a train.py runs without the folder."""
     if flag == "nki_relu2":
         return relu_squared_nki
-    if flag == "nki_rmsnorm":
-        import kernels.rmsnorm
-        return kernels.rmsnorm.rms_norm
-    if flag == "nki_rope_qknorm":
-        import kernels.rope_qknorm
-        return kernels.rope_qknorm.rope_qknorm
-    if flag == "nki_softcap_ce":
-        import kernels.softcap_ce
-        return functools.partial(kernel_training_loss, kernels.softcap_ce.softcap_cross_entropy)
-    raise ValueError(f"no NKI kernel for {flag!r}")
+    module, name = {"nki_rmsnorm": ("rmsnorm", "rms_norm"), "nki_rope_qknorm": ("rope_qknorm", "rope_qknorm"),
+                    "nki_softcap_ce": ("softcap_ce", "softcap_cross_entropy")}[flag]
+    kernel = getattr(importlib.import_module(f"kernels.{module}"), name)
+    return functools.partial(kernel_training_loss, kernel) if flag == "nki_softcap_ce" else kernel
 
 
 def kernel_training_loss(kernel, logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
@@ -1284,27 +1179,6 @@ def kernel_loss_difference(loss_fn, cap: float = 15.0) -> float:
     return abs(float(loss_fn(logits, targets, cap)) - float(kernel))
 
 
-def ops_the_model_calls(config: GPTConfig) -> set[str]:
-    """Which ops of KERNEL_OPS this model's forward and loss call, run once on a meta-device twin."""
-    originals, called = {op: globals()[op] for op in KERNEL_OPS.values()}, set()
-
-    def counted(op):
-        def call(*args, **kwargs):
-            called.add(op)
-            return originals[op](*args, **kwargs)
-        return call
-
-    globals().update({op: counted(op) for op in originals})
-    try:
-        with torch.device("meta"):
-            twin = GPT(config)
-        tokens = torch.zeros(1, 2, dtype=torch.long, device="meta")
-        twin(tokens, tokens)
-    finally:
-        globals().update(originals)
-    return called
-
-
 def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> None:
     """Bind each --nki-* flag's kernel in place of its op, or stop saying why it cannot run here."""
     on = [flag for flag in KERNEL_OPS if getattr(options, flag)]
@@ -1315,25 +1189,20 @@ def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> N
         same = [f"--{flag.replace('_', '-')}" for flag in on if KERNEL_OPS[flag] == op]
         if len(same) > 1:
             raise SystemExit(f"error: {' and '.join(same)} both replace {op}(); one op takes one kernel: drop one")
-    called = ops_the_model_calls(config)
+    called = forward_on_meta(config)[1]
     for flag in on:
         if KERNEL_OPS[flag] not in called:
             raise SystemExit(f"error: --{flag.replace('_', '-')} replaces {KERNEL_OPS[flag]}(), which this model "
-                             "never calls (its code changed): drop the flag, or write a kernel for the op the model "
-                             "calls and bind it in KERNEL_OPS")
+                             "never calls: drop the flag, or bind a kernel for the op it calls in KERNEL_OPS")
     if options.nki_softcap_ce and kernel_loss_difference(training_loss) > 1e-5:
         raise SystemExit("error: --nki-softcap-ce computes the softcap cross-entropy, and this train.py's "
-                         "training_loss computes something else (an added term?): the kernel would drop it. Drop the "
-                         "flag, or give the kernel the same term.")
+                         "training_loss computes something else (an added term?) that it would drop: drop the flag")
     if not (device_type == "neuron" and HAS_NKI):
-        raise SystemExit(f"error: {flags} run NKI kernels, which need the neuron device and the nki "
-                         f"package; this run is on {device_type}{'' if HAS_NKI else ' without nki'}. "
-                         "Drop the flag here, or run on a Trainium machine.")
+        raise SystemExit(f"error: {flags} run NKI kernels, which need the neuron device and the nki package; this run "
+                         f"is on {device_type}{'' if HAS_NKI else ' without nki'}: drop the flag here")
     if options.compile:
-        raise SystemExit(f"error: --compile with {flags}: the kernels are called from "
-                         "torch.autograd.Functions in eager mode, and the kit does not register them as "
-                         "torch.compile custom ops (torch_neuronx.nki_op with register_autograd). Drop --compile, "
-                         "or the --nki-* flags.")
+        raise SystemExit(f"error: --compile with {flags}: the kernels run eagerly from torch.autograd.Functions, not "
+                         "as torch.compile custom ops (torch_neuronx.nki_op): drop --compile or the flags")
     try:
         logical_core_count()
     except ValueError as e:
@@ -1350,21 +1219,12 @@ def bind_kernels(options: RunOptions) -> None:  # setup_kernels checks first
     globals().update({op: nki_kernel(flag) for flag, op in KERNEL_OPS.items() if getattr(options, flag)})
 
 
-# -----------------------------------------------------------------------------------------------
-# Data parallelism and ZeRO-1: the gradients averaged over ranks, the update sharded
-# -----------------------------------------------------------------------------------------------
-
+# ---- Data parallelism and ZeRO-1: the gradients averaged over ranks, the update sharded ------------------------------
 # A bucket is `parts` equal chunks (the world size when sharded, else 1), chunk r holding what rank r owns: one
 # reduce-scatter hands each rank its summed gradients, one all-gather returns every updated weight.
 SHARD_MAX_PADDING = 1 / 8  # matrices are indivisible, and padding is sent like data
-
-
-@dataclass
-class Slot:
-    """A parameter's place from `offset`: whole in chunk `owner` (a Muon matrix), or (owner None) slice r in chunk r."""
-    owner: int | None
-    offset: int
-    size: int
+# A parameter's place from `offset`: whole in chunk `owner` (a Muon matrix), or (owner None) slice r in chunk r.
+Slot = collections.namedtuple("Slot", "owner offset size")
 
 
 @dataclass
@@ -1396,20 +1256,15 @@ class Bucket:
 def layout_bucket(params: list[torch.Tensor], whole: set, parts: int, load: list[int]) -> Bucket:
     """`parts` equal chunks: each matrix in `whole`, largest first, whole to the chunk with the least data (ties:
     the least `load` so far, which this updates); every other parameter sliced across all chunks, after them."""
-    fill, owner = [0] * parts, {}
+    fill, slots = [0] * parts, {}
     for p in sorted((p for p in params if p in whole), key=lambda p: -p.numel()):
         r = min(range(parts), key=lambda r: (fill[r], load[r], r))
-        owner[p] = r
+        slots[p] = Slot(r, fill[r], p.numel())
         fill[r] += p.numel()
         load[r] += p.numel()
-    cursor, slots = [0] * parts, {}
+    offset = max(fill)
     for p in params:
-        if p in owner:
-            slots[p] = Slot(owner[p], cursor[owner[p]], p.numel())
-            cursor[owner[p]] += p.numel()
-    offset = max(cursor)
-    for p in params:
-        if p not in owner:
+        if p not in slots:
             slots[p] = Slot(None, offset, -(-p.numel() // parts))
             offset += slots[p].size
     return Bucket(list(params), parts, offset, slots)
@@ -1441,9 +1296,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class DataParallelOptimizer:
-    """MuonAdamW under data parallelism: the gradients averaged over ranks (each bucket sent once the backward
-    of the step's last micro-batch has filled it) and, sharded (ZeRO-1), each rank updating only the Muon
-    matrices it owns and its slice of every other parameter. On one process it only passes the step on."""
+    """MuonAdamW under data parallelism: the gradients averaged over ranks (each bucket sent once the last backward
+    has filled it) and, sharded (ZeRO-1), each rank updating only its own Muon matrices and its slice of the rest."""
 
     SCHEDULED = MuonAdamW.SCHEDULED
 
@@ -1455,8 +1309,6 @@ class DataParallelOptimizer:
         params = [p for g in param_groups for p in g["params"]]
         self._matrices = [g["params"] for g in param_groups if g["kind"] == "muon"]  # whole on their owner
         order = ready_order or params[::-1]
-        if sorted(map(id, order)) != sorted(map(id, params)):
-            raise ValueError("ready_order must list every parameter of the optimizer exactly once")
         whole = {p for ps in self._matrices for p in ps}
         parts = world_size if self.shard else 1
         self.buckets = plan_buckets(order, whole, parts, bucket_bytes // 4) if world_size > 1 else []
@@ -1589,12 +1441,13 @@ class DataParallelOptimizer:
         return part.view_as(p) if slot.owner is not None else part
 
 
-def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
-    """The parameters in the order the backward completes their gradients: the reverse of first use in a training
-    forward (tokens and targets), seen on a twin on the meta device (no memory, no arithmetic)."""
+def forward_on_meta(config: GPTConfig, model_class: type = GPT) -> tuple[list[str], set[str]]:
+    """One training forward (tokens and targets) of a model on the meta device, no memory and no arithmetic: (the
+    names of its parameters in the order the forward first uses them, the ops of KERNEL_OPS it calls)."""
     with torch.device("meta"):
-        twin = type(model)(model.config)
+        twin = model_class(config)
     names, first_use = {id(p): name for name, p in twin.named_parameters()}, {}
+    originals, called = {op: globals()[op] for op in KERNEL_OPS.values()}, set()
 
     class RecordUse(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -1603,44 +1456,51 @@ def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
                     first_use.setdefault(names[id(a)], len(first_use))
             return func(*args, **(kwargs or {}))
 
-    tokens = torch.zeros(1, 2, dtype=torch.long, device="meta")
-    with RecordUse():
-        twin(tokens, tokens)
-    params = dict(model.named_parameters())
-    unused = [p for name, p in params.items() if name not in first_use]  # no gradient at all: last
-    return [params[name] for name in sorted(first_use, key=first_use.get, reverse=True)] + unused
+    def counted(op):
+        def call(*args, **kwargs):
+            called.add(op)
+            return originals[op](*args, **kwargs)
+        return call
+
+    globals().update({op: counted(op) for op in originals})
+    try:
+        tokens = torch.zeros(1, 2, dtype=torch.long, device="meta")
+        with RecordUse():
+            twin(tokens, tokens)
+    finally:
+        globals().update(originals)
+    return list(first_use), called
+
+
+def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters in the order the backward completes their gradients: the reverse of first use in a forward."""
+    first_use, params = forward_on_meta(model.config, type(model))[0], dict(model.named_parameters())
+    return [params[name] for name in reversed(first_use)] + [p for n, p in params.items() if n not in first_use]
 
 
 def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = torch.bfloat16) -> list[dict]:
-    """parameter_table's rows as the optimizer's param groups (Muon's: one per shape), every parameter in exactly
-    one row, every Muon parameter a matrix; else an error that names the parameters."""
+    """parameter_table's rows as the optimizer's param groups (Muon's: one per shape), or an error that names the
+    parameters without a row, in two rows, or in a Muon row and not a matrix."""
     table = parameter_table(model, recipe, ns_dtype)
     names = {}  # a weight two modules share has two names
     for name, p in model.named_parameters(remove_duplicate=False):
         names[id(p)] = f"{names[id(p)]} = {name}" if id(p) in names else name
     rows = collections.Counter(id(p) for params, _ in table for p in params)
-    twice = [names[i] for i, n in rows.items() if n > 1]
-    if twice:
-        raise ValueError(f"parameters {twice} are in more than one row of parameter_table: keep one")
-    missing = [names[id(p)] for p in model.parameters() if id(p) not in rows]
-    if missing:
-        raise ValueError(f"parameters {missing} have no row in parameter_table: add one (a vector, such as a gain or "
-                         "a temperature: AdamW, like resid_lambdas)")
+    problems = {
+        "are in more than one row of parameter_table: keep one": [names[i] for i, n in rows.items() if n > 1],
+        "have no row in parameter_table: add one (a vector, such as a gain or a temperature: AdamW, like "
+        "resid_lambdas)": [names[id(p)] for p in model.parameters() if id(p) not in rows],
+        "fall in a Muon row of parameter_table, which updates matrices only: give them a row of their own (AdamW, "
+        "like the scalars)": [f"{names[id(p)]} {list(p.shape)}" for params, rule in table if rule["kind"] == "muon"
+                              for p in params if p.dim() != 2]}
+    for problem, found in problems.items():
+        if found:
+            raise ValueError(f"parameters {found} {problem}")
     groups = []
-    for params, rule in table:
-        if not params:
-            continue
-        if rule["kind"] == "muon":  # Muon updates same-shaped matrices together: a group per shape
-            not_matrices = [f"{names[id(p)]} {list(p.shape)}" for p in params if p.dim() != 2]
-            if not_matrices:
-                raise ValueError(f"parameters {not_matrices} fall in a Muon row of parameter_table, which updates "
-                                 "matrices only: give them a row of their own (AdamW, like the scalars)")
-            for shape in sorted({tuple(p.shape) for p in params}):
-                groups.append(dict(rule, params=[p for p in params if tuple(p.shape) == shape]))
-        else:
-            groups.append(dict(rule, params=params))
-    for g in groups:
-        g["initial_lr"] = g["lr"]
+    for params, rule in table:  # Muon updates same-shaped matrices together: a group per shape
+        shapes = sorted({tuple(p.shape) for p in params}) if rule["kind"] == "muon" else [None]
+        groups += [dict(rule, params=[p for p in params if shape in (None, tuple(p.shape))], initial_lr=rule["lr"])
+                   for shape in shapes if params]
     return groups
 
 
@@ -1683,22 +1543,14 @@ def agree_across_ranks(loss: torch.Tensor, stop: bool, world_size: int) -> tuple
 
 def any_rank(flag: bool, device: torch.device, world_size: int) -> bool:
     """Whether flag is true on some rank: for decisions every rank takes together."""
-    if world_size == 1:
-        return flag
-    vote = torch.tensor(float(flag), device=device)
-    dist.all_reduce(vote)
-    return vote.item() > 0
+    if world_size > 1:
+        vote = torch.tensor(float(flag), device=device)
+        dist.all_reduce(vote)
+        flag = vote.item() > 0
+    return flag
 
 
-# -----------------------------------------------------------------------------------------------
-# Batch geometry: the recipe's batch at any world size
-# -----------------------------------------------------------------------------------------------
-
-
-class BatchGeometryError(ValueError):
-    pass
-
-
+# ---- Batch geometry: the recipe's batch at any world size ------------------------------------------------------------
 @dataclass(frozen=True)
 class BatchGeometry:
     total_batch_size: int  # tokens per optimizer step, all ranks together
@@ -1711,20 +1563,16 @@ class BatchGeometry:
 
 def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> BatchGeometry:
     """The recipe's total batch and seq_len never change; the device batch shrinks to the largest value not above
-    the one asked for such that device batch x seq_len x world size divides the total batch."""
-    for name, value in (("--total-batch-size", total_batch_size), ("--device-batch-size", device_batch_size),
-                        ("--seq-len", seq_len), ("world size", world_size)):
-        if value < 1:
-            raise BatchGeometryError(f"{name} must be positive, got {value}")
+    the one asked for such that device batch x seq_len x world size divides the total batch (each at least 1: Recipe
+    checks them)."""
     row_tokens = seq_len * world_size  # one row on every rank
     if total_batch_size % row_tokens:
         below, above = row_tokens * (total_batch_size // row_tokens), row_tokens * -(-total_batch_size // row_tokens)
         options = " or ".join(f"--total-batch-size {n}" for n in (below, above) if n > 0)
         fewer = f", or at most {total_batch_size // seq_len} ranks" if total_batch_size % seq_len == 0 and \
             total_batch_size // seq_len < world_size else ""
-        raise BatchGeometryError(f"no batch geometry: --total-batch-size {total_batch_size} is not a whole number of "
-                                 f"rows of {seq_len} tokens on each of {world_size} ranks ({row_tokens} tokens a "
-                                 f"row on every rank); use {options}{fewer}")
+        raise ValueError(f"no batch geometry: --total-batch-size {total_batch_size} is not a whole number of rows of "
+                         f"{seq_len} tokens on each of {world_size} ranks; use {options}{fewer}")
     rows_per_rank = total_batch_size // row_tokens
     rows = max(k for k in range(1, min(device_batch_size, rows_per_rank) + 1) if rows_per_rank % k == 0)
     note = "" if rows == device_batch_size else (
@@ -1733,9 +1581,9 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
     return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
 
 
-# A row starts at a document's start, so rows of 256 train only each document's first 257 tokens. Once a run
-# has read those about twice, rows twice as long win: benchmarks/preset_campaign.py put the crossing between
-# 1.3 and 2.1 passes (docs/presets-and-benchmarks.md). It measured one doubling, 256 to 512.
+# A row starts at a document's start, so rows of 256 train only each document's first 257 tokens. Once a run has read
+# those about twice, rows twice as long win: the crossing lies between 1.3 and 2.1 passes (one doubling measured,
+# 256 to 512: docs/presets-and-benchmarks.md).
 MAX_PASSES = 2.0
 # The cpu preset's MFU on the 2-core machines, what the rule expects of a run it has not started yet
 EXPECTED_MFU = {None: 0.46, torch.bfloat16: 0.33}  # by compute dtype (None: fp32)
@@ -1747,19 +1595,13 @@ def training_documents() -> int:
                for path, group in _row_groups_for_split("train", 0, 1))
 
 
-def passes_over_reach(tokens: float, documents: int, seq_len: int) -> float:
-    """How many times `tokens` of training read what rows of seq_len reach: at most seq_len + 1 tokens of
-    each document (all of it where shorter, so this is the fewest passes)."""
-    return tokens / (documents * (seq_len + 1))
-
-
 def rows_for_budget(recipe: Recipe, flops_per_second: float, documents: int) -> tuple[int, str]:
     """(row length, why): --seq-len, or twice it where the budget's tokens at flops_per_second (achieved, all
     ranks) would pass MAX_PASSES times or more over what rows of --seq-len reach. Pure."""
-    def passes(seq_len: int) -> float:
+    def passes(seq_len: int) -> float:  # over at most seq_len + 1 tokens of each document (all of a shorter one)
         with torch.device("meta"):
             flops_per_token = GPT(model_config(dataclasses.replace(recipe, seq_len=seq_len))).flops_per_token()
-        return passes_over_reach(recipe.time_budget * flops_per_second / flops_per_token, documents, seq_len)
+        return recipe.time_budget * flops_per_second / flops_per_token / (documents * (seq_len + 1))
 
     short, long = recipe.seq_len, 2 * recipe.seq_len
     at_short, at_long = passes(short), passes(long)
@@ -1770,9 +1612,7 @@ def rows_for_budget(recipe: Recipe, flops_per_second: float, documents: int) -> 
                      f"first {long + 1} (rows twice as long from {MAX_PASSES:g} passes)")
 
 
-# -----------------------------------------------------------------------------------------------
-# The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it
-# -----------------------------------------------------------------------------------------------
+# ---- The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it --------------------
 # Charged time = wall time since the process started, minus the start-up allowance, plus earlier processes'.
 
 def clock_seconds() -> float:
@@ -1821,9 +1661,7 @@ class BudgetClock:
         return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) > 1 else None
 
 
-# -----------------------------------------------------------------------------------------------
-# The run folder: out_dir holds final.pt and what a person looks at, and never loses an earlier run
-# -----------------------------------------------------------------------------------------------
+# ---- The run folder: out_dir holds final.pt and what a person looks at, and never loses an earlier run ---------------
 RUN_FILES = ("final.pt", "log.txt", "summary.json", "metrics.jsonl", "loss.png")  # state/ stays for --resume
 
 
@@ -1832,12 +1670,8 @@ def keep_previous_run(out_dir: Path) -> None:
     found = [out_dir / name for name in RUN_FILES if (out_dir / name).exists()]
     if not found:
         return
-    base = out_dir / time.strftime("run-%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in found)))
-    kept, k = base, 0
-    while kept.exists():  # two runs that ended in the same second
-        k += 1
-        kept = base.with_name(f"{base.name}-{k}")
-    kept.mkdir()
+    ended = time.strftime("run-%Y%m%d-%H%M%S-", time.localtime(max(p.stat().st_mtime for p in found)))
+    kept = Path(tempfile.mkdtemp(prefix=ended, dir=out_dir))  # unique, should two runs end in the same second
     for p in found:
         os.replace(p, kept / p.name)
     print(f"out: the previous run's {', '.join(p.name for p in found)} moved to {kept}")
@@ -1859,14 +1693,13 @@ class Tee:
 
 def json_value(value):
     """A summary value as JSON: a number or a boolean where it is one, else its text."""
-    if isinstance(value, bool) or str(value) in ("True", "False"):
-        return str(value) == "True"
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
-            pass
-    return str(value)
+    text = str(value)
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return int(text) if text.lstrip("-").isdigit() else float(text)
+    except ValueError:
+        return text
 
 
 def write_run_folder(out_dir: Path, summary: dict, metrics: list[dict], training_seconds: float, budget: float):
@@ -1895,9 +1728,7 @@ def write_run_folder(out_dir: Path, summary: dict, metrics: list[dict], training
           f"next: python prepare.py eval-public --checkpoint {out_dir / 'final.pt'}")
 
 
-# -----------------------------------------------------------------------------------------------
-# Checkpoint: model config as plain data + state dict + run metadata, written atomically
-# -----------------------------------------------------------------------------------------------
+# ---- Checkpoint: model config as plain data + state dict + run metadata, written atomically --------------------------
 # The organisers' keys (model_state, model_config, meta) plus our format tag, which their checkpoints lack.
 
 CHECKPOINT_FORMAT = "trainium-frontier-gpt/2"
@@ -1959,10 +1790,6 @@ class RunState:
         return self.smooth_loss / (1 - 0.9 ** self.step)
 
 
-class ResumeError(ValueError):
-    pass
-
-
 def save_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, run: RunState, recipe: Recipe,
                   geometry: BatchGeometry, rank: int, clock: BudgetClock) -> None:
     """Write the full training state after step run.step - 1 (every rank calls this)."""
@@ -1989,25 +1816,24 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, recipe: Rec
     """Restore the newest complete snapshot in state_dir into model and optimizer (every rank calls this)."""
     pointer_path = state_dir / "latest.json"
     if not pointer_path.is_file():
-        raise ResumeError(f"--resume {state_dir}: no snapshot there (no latest.json); pass the state folder of a "
-                          f"run started with --save-every, i.e. its --out-dir followed by /{STATE_DIR}")
+        raise ValueError(f"--resume {state_dir}: no snapshot there (no latest.json); pass the state folder of a run "
+                         f"started with --save-every, i.e. its --out-dir followed by /{STATE_DIR}")
     pointer = json.loads(pointer_path.read_text())
     if pointer["world_size"] != geometry.world_size:
-        raise ResumeError(f"--resume {state_dir}: that run had {pointer['world_size']} ranks, this one has "
-                          f"{geometry.world_size}; resume with the same number of ranks (the data each rank reads "
-                          "and the optimizer's shards depend on it)")
+        raise ValueError(f"--resume {state_dir}: that run had {pointer['world_size']} ranks, this one has "
+                         f"{geometry.world_size}; resume with as many (each rank's data and shard depend on it)")
     saved = pointer["recipe"]
     changed = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}" for k, v in recipe_settings(recipe).items()
                if saved.get(k) != v]
     if changed:
-        raise ResumeError(f"--resume {state_dir}: the recipe changed since the interrupted run ({'; '.join(changed)}), "
-                          "which would change its trajectory; resume with the recipe it was started with")
+        raise ValueError(f"--resume {state_dir}: the recipe changed since the interrupted run ({'; '.join(changed)}), "
+                         "which would change its trajectory; resume with the recipe it was started with")
     folder = state_dir / pointer["snapshot"]
     model_file, rank_file = folder / "model.pt", folder / f"optimizer_rank{rank:05d}.pt"
     for path in (model_file, rank_file):
         if not path.is_file():
-            raise ResumeError(f"--resume {state_dir}: {path} is missing (rank {rank}); on several servers "
-                              "--out-dir must be storage that every server sees")
+            raise ValueError(f"--resume {state_dir}: {path} is missing (rank {rank}); on several servers "
+                             "--out-dir must be storage that every server sees")
     model.load_state_dict(read_checkpoint(model_file)[1], strict=True)
     rank_state = torch.load(rank_file, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(rank_state["optimizer"])
@@ -2015,11 +1841,7 @@ def load_snapshot(state_dir: Path, model: GPT, optimizer: MuonAdamW, recipe: Rec
     return RunState(**pointer["run"])
 
 
-# -----------------------------------------------------------------------------------------------
-# The command line: a flag for every setting, presets, the organisers' aliases; main()
-# -----------------------------------------------------------------------------------------------
-
-
+# ---- The command line: a flag for every setting, presets, the organisers' aliases; main() ----------------------------
 @dataclass
 class RunOptions:
     """How a run executes around its recipe: flags too, which a resumed run may change (rounding at most)."""
@@ -2055,8 +1877,7 @@ ENVIRONMENT = {"max_steps": ("NEURON_COMPETITION_R1_NUM_STEPS",),
 BOOL_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 
 
-# The cpu and gpu presets' ingredients, the winners of benchmarks/preset_sweep.py at the cpu preset (-0.232
-# bpb together, one seed). The default, the organisers' d10 baseline, never takes them: it stays comparable.
+# The cpu and gpu presets' ingredients (-0.232 bpb together at the cpu preset); the default d10 stays the organisers'.
 ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL")
 
 PRESETS = {
@@ -2123,9 +1944,8 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     """--preset and a flag for every Recipe, Architecture and RunOptions field (and the official spellings); the
     help of each is its comment, with its default, or the preset's value."""
     parser = argparse.ArgumentParser(usage="python train.py [--preset NAME] [--flag VALUE ...]", allow_abbrev=False,
-                                     description="Train the GPT of this file for the time budget. Each flag is a "
-                                     "field of Recipe, Architecture or RunOptions; `--preset NAME --help` shows "
-                                     "what a preset sets.")
+                                     description="Train the GPT of this file for the time budget; `--preset NAME "
+                                     "--help` shows what a preset sets.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help=f"settings for a machine or phase: {', '.join(sorted(PRESETS))}")
     titles = {Recipe: "hyperparameters (Recipe)", Architecture: "what the model is made of (Architecture)",
@@ -2193,11 +2013,11 @@ def main(argv=None) -> int:
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
     setup_kernels(options, device_type, config)
     profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
-    rows_note = ""
+    notes = [f"environment: {note}" for note in notes]
     if options.rows_for_budget:
         expected = profile.peak_flops * get_dist_info()[3] * EXPECTED_MFU.get(profile.compute_dtype, 0.33)
-        seq_len, rows_note = rows_for_budget(recipe, expected, training_documents())
-        recipe = dataclasses.replace(recipe, seq_len=seq_len)
+        seq_len, why = rows_for_budget(recipe, expected, training_documents())
+        recipe, notes = dataclasses.replace(recipe, seq_len=seq_len), notes + [why]
     device, rank, world_size = init_distributed(profile)
     torch.manual_seed(recipe.seed)
     stdout = sys.stdout
@@ -2206,9 +2026,7 @@ def main(argv=None) -> int:
         keep_previous_run(Path(options.out_dir))
         sys.stdout = Tee(stdout, Path(options.out_dir) / "log.txt")
     for note in notes:
-        print0(f"environment: {note}")
-    if rows_note:
-        print0(rows_note)
+        print0(note)
     try:
         train(recipe, Run(recipe, options, profile, device, rank, world_size))
         return 0

@@ -73,7 +73,6 @@ def test_windows_shorten_attention_in_the_flops_count():
 
 def test_bad_ingredient_flags_are_clear_errors(tmp_path):
     for argv, message in ((["--value-embeds", "odd"], "--value-embeds 'odd'"),
-                          (["--value-embeds", "0,7"], "layer indices 0..3"),
                           (["--window-pattern", "SXL"], "the letters L"),
                           (["--window-pattern", "S", "--short-window", "-3"], "at least 1 token")):
         with pytest.raises(ValueError, match=message):
@@ -142,10 +141,9 @@ def test_the_stop_rule_predicts_from_steps_after_start_up():
     slow_first = [600.0] + [1.0] * (startup - 1)  # a cold compile, longer than the whole budget
     for steps in range(1, startup + 1):
         assert not T.out_of_time(0.0, slow_first[:steps], 0.0, training_seconds=10.0)
-    assert T.predicted_step_seconds(slow_first + [2.0, 1.0]) == 2.0
-    assert T.out_of_time(8.5, slow_first + [2.0, 1.0], 0.0, 10.0)  # 8.5 + 2 > 10
+    assert T.out_of_time(8.5, slow_first + [2.0, 1.0], 0.0, 10.0)  # the longest after start-up: 8.5 + 2 > 10
     assert not T.out_of_time(7.5, slow_first + [2.0, 1.0], 0.0, 10.0)
-    assert T.predicted_step_seconds(slow_first + [9.0] + [1.0] * 5) == 1.0  # the last five only
+    assert not T.out_of_time(8.5, slow_first + [9.0] + [1.0] * 5, 0.0, 10.0)  # the last five only: 8.5 + 1
     assert T.out_of_time(7.5, slow_first + [2.0], 1.0, 10.0)  # a due snapshot's time counts
     assert T.out_of_time(11.0, slow_first[:2], 0.0, 10.0)  # charged time already spent (start-up past the cap)
 

@@ -39,13 +39,11 @@ def test_default_batch_has_a_geometry_up_to_128_ranks(world, rows, accum):
 
 
 def test_no_geometry_is_a_clear_error():
-    with pytest.raises(T.BatchGeometryError) as e:  # 256 ranks: 2^18 tokens are half a row of 2048 per rank
+    with pytest.raises(ValueError) as e:  # 256 ranks: 2^18 tokens are half a row of 2048 per rank
         T.batch_geometry(2**18, 8, 2048, 256)
     assert "--total-batch-size 524288" in str(e.value) and "at most 128 ranks" in str(e.value)
-    with pytest.raises(T.BatchGeometryError, match="--total-batch-size 258048 or --total-batch-size 264192"):
+    with pytest.raises(ValueError, match="--total-batch-size 258048 or --total-batch-size 264192"):
         T.batch_geometry(2**18, 8, 2048, 3)  # not a multiple of 3 rows
-    with pytest.raises(T.BatchGeometryError, match="--device-batch-size must be positive"):
-        T.batch_geometry(2**18, 0, 2048, 1)
 
 
 def test_device_batch_shrinks_to_the_largest_divisor():
@@ -60,7 +58,7 @@ def test_a_run_with_more_ranks_than_rows_adapts_instead_of_exiting(tmp_path, tra
     assert train_main([*TINY, "--total-batch-size", "256", "--max-steps", "2", "--eval-tokens", "0",
                        "--out-dir", str(tmp_path / "out")]) == 0
     assert "batch geometry: device batch 8 -> 2 rows" in capsys.readouterr().out
-    with pytest.raises(T.BatchGeometryError, match="no batch geometry") as e:
+    with pytest.raises(ValueError, match="no batch geometry") as e:
         train_main([*TINY, "--total-batch-size", "100", "--out-dir", str(tmp_path / "out2")])
     assert T.is_input_error(e.value)
 
@@ -105,17 +103,17 @@ def test_snapshot_round_trip_and_refusals(tmp_path):
         for name, value in saved[k].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored[k][name])), (k, name)
 
-    with pytest.raises(T.ResumeError, match=r"--matrix-lr 0.04 -> 0.05"):
+    with pytest.raises(ValueError, match=r"--matrix-lr 0.04 -> 0.05"):
         T.load_snapshot(state_dir, fresh, fresh_optimizer, dataclasses.replace(recipe, matrix_lr=0.05), geometry, 0)
     # The snapshot records the recipe only: run options (output, compilation, kernels) may change on resume.
     assert json.loads((state_dir / "latest.json").read_text())["recipe"] == T.recipe_settings(recipe)
-    with pytest.raises(T.ResumeError, match="that run had 1 ranks, this one has 2"):
+    with pytest.raises(ValueError, match="that run had 1 ranks, this one has 2"):
         T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, T.batch_geometry(1024, 4, 128, 2), 0)
-    with pytest.raises(T.ResumeError, match="optimizer_rank00001.pt is missing"):
+    with pytest.raises(ValueError, match="optimizer_rank00001.pt is missing"):
         pointer = json.loads((state_dir / "latest.json").read_text())
         (state_dir / "latest.json").write_text(json.dumps(dict(pointer, world_size=2)))
         T.load_snapshot(state_dir, fresh, fresh_optimizer, recipe, T.batch_geometry(1024, 4, 128, 2), 1)
-    with pytest.raises(T.ResumeError, match="no snapshot there"):
+    with pytest.raises(ValueError, match="no snapshot there"):
         T.load_snapshot(tmp_path / "nothing", fresh, fresh_optimizer, recipe, geometry, 0)
 
 
@@ -157,7 +155,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, text_dataset, monkeypa
         assert torch.equal(a[name], b[name]), name
 
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
-    with pytest.raises(T.ResumeError, match="--max-steps 20 -> 21"):
+    with pytest.raises(ValueError, match="--max-steps 20 -> 21"):
         T.main([*args, "--max-steps", "21", "--resume", str(killed_dir / "state")])
 
 
