@@ -59,7 +59,7 @@ EXIT_GRACE_SECONDS = 2.0  # after "exit", how long the worker may take before it
 REAP_SECONDS = 10.0  # how long close() keeps killing what the worker left behind, once nothing more dies
 MAX_SEQ_LEN = 1 << 24  # a scorer's max_seq_len above this is not a length
 DEVICE_NAME = re.compile(r"(cpu|cuda|neuron|mps|xla)(:[0-9]{1,4})?")
-SANDBOX_PART = re.compile(r"noatime|capabilities|seccomp|landlock-[0-9]{1,2}")
+SANDBOX_PART = re.compile(r"noatime|capabilities|seccomp|landlock-[0-9]{1,2}|thread-names")
 # How a worker is kept from moving access times (a channel to the next worker, access_times.py):
 # a mount namespace where every mount is noatime (where the worker has CAP_SYS_ADMIN), else the
 # harness reads ahead whatever a read would move. Tests empty it for a control run.
@@ -305,7 +305,7 @@ class Worker:
         try:
             sys_path = self.request({"cmd": "hello"})[0].get("sys_path")
             self.start_seconds = time.monotonic() - t_start
-            self._start_sandbox(sys_path, submission, protected, use_sandbox)
+            self._start_sandbox(sys_path, submission, protected, use_sandbox, device, local_rank)
             self.info = _checked_info(mode, self.request(
                 {"cmd": "load", "mode": mode, "file": str(participant_file), "checkpoint": str(submission.checkpoint),
                  "device": str(device), "local_rank": local_rank})[0])
@@ -313,7 +313,8 @@ class Worker:
             self.close()
             raise
 
-    def _start_sandbox(self, sys_path, submission: Submission, protected, use_sandbox: bool) -> None:
+    def _start_sandbox(self, sys_path, submission: Submission, protected, use_sandbox: bool, device,
+                       local_rank: int) -> None:
         t0 = time.monotonic()
         if not isinstance(sys_path, list) or not all(isinstance(p, str) for p in sys_path):
             raise WorkerError("the worker's hello did not list its sys.path")
@@ -323,7 +324,7 @@ class Worker:
         rules += [(p, "execute") for p in sys_path
                   if os.path.isabs(p) and not os.path.realpath(p).startswith(private) and os.path.isdir(p)]
         reply = self.request({"cmd": "sandbox", "off": not use_sandbox, "abi": abi, "seccomp": arch,
-                              "noatime": "noatime" in ATIME_DEFENCES,
+                              "noatime": "noatime" in ATIME_DEFENCES, "device": str(device), "local_rank": local_rank,
                               "rules": [list(r) for r in rules], "rlimits": limits.worker_rlimits(self.limits)})[0]
         applied = reply.get("applied")
         if not isinstance(applied, list) or not all(isinstance(a, str) and SANDBOX_PART.fullmatch(a) for a in applied):

@@ -13,8 +13,10 @@ are inherited across fork and exec and cannot be lifted):
   packages, the system's libraries, compiler and headers and the accelerators' runtimes, the
   devices of /sys, /proc, a few files of /etc, the private copy of the participant's files) and
   writable only in the worker's private folder (which holds its copy of the kit's harness code);
-  device nodes of the accelerators are opened read-write. TCP bind and connect are refused (ABI
-  4), and so are signals to, and abstract unix sockets of, processes outside the sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which
+  device nodes of the accelerators are opened read-write; a CUDA worker may also write the files
+  of its own threads (/proc/<pid>/task: the driver names its threads). TCP bind and connect are
+  refused (ABI 4), and so are signals to, and abstract unix sockets of, processes outside the
+  sandbox (ABI 6). Landlock also stops ptrace of any process outside the domain, which
   closes /proc/<pid>/mem, /fd and /environ of the harness.
 - **A seccomp filter** for what Landlock does not cover: any new socket (the worker has the
   socket pair the harness gave it); io_uring (its operations do not pass through this filter);
@@ -172,7 +174,23 @@ def _add_path_rule(ruleset: int, path: str, access: int, abi: int) -> bool:
     return True
 
 
-ACCESS = {"read": READ, "execute": READ_EXECUTE, "list": FS_READ_DIR, "device": DEVICE, "write": WRITE_ALL}
+ACCESS = {"read": READ, "execute": READ_EXECUTE, "list": FS_READ_DIR, "device": DEVICE, "write": WRITE_ALL,
+          "thread_names": FS_WRITE_FILE | FS_TRUNCATE}
+_PINNED: list[int] = []  # descriptors that keep a rule's procfs folder alive (thread_names_rule)
+
+
+def thread_names_rule() -> tuple[str, str]:
+    """The rule a CUDA worker adds for itself: write the files of its own threads, /proc/<pid>/task/*/*
+    (the driver names each thread it starts through its comm file). What else a task's files let a
+    process without capabilities do touches only itself: raise its own OOM score (the harness set its
+    floor), reset its own page-reference bits and scheduler statistics, set its own LSM labels where
+    the policy allows, write its own memory (as it can anyway); its user-namespace maps need a new
+    namespace, which the seccomp filter refuses. Not /proc/<pid>/ itself (its cgroup files and the rest
+    stay read-only), and no other process's tasks. The folder is kept open for the worker's life: a
+    procfs folder looked up again would be another inode, without the rule."""
+    path = f"/proc/{os.getpid()}/task"
+    _PINNED.append(os.open(path, os.O_PATH | os.O_CLOEXEC))
+    return path, "thread_names"
 
 
 def apply_landlock(rules: list, abi: int) -> None:

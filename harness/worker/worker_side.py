@@ -5,10 +5,12 @@ trusts nothing this process does once that code is loaded; no module of the harn
 The order is what makes the sandbox hold. The harness's requests arrive in this order:
 
     hello     report sys.path (the harness turns it into read rules)
-    sandbox   set the rlimits the harness names (limits.py), move into a mount namespace where
-              no access time moves (where the worker has the privilege), and apply the OS
-              sandbox (sandbox.py): from here on, this process and all it starts can read only
-              what the rules name and write only the private folder
+    sandbox   set the rlimits the harness names (limits.py), start the worker's accelerator (its
+              driver names threads and opens sockets as it starts, which the sandbox forbids),
+              move into a mount namespace where no access time moves (where the worker has the
+              privilege), and apply the OS sandbox (sandbox.py): from here on, this process and
+              all it starts can read only what the rules name and write only the private folder
+              (and, on CUDA, the names of its own threads)
     load      import train.py (load_for_eval) or inference.py (load_scorer) from the harness's
               private copy, and load the checkpoint copy
     buffers   map the sealed shared-memory buffers the logits go into (model mode)
@@ -94,10 +96,28 @@ def resolve_device(name: str, local_rank: int, present: str):
     return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
 
 
+def start_device(device) -> None:
+    """Start a CUDA device before the sandbox: its context, and a matmul in fp32 and bf16 (cuBLAS's
+    handles). CUDA's start writes /proc/<pid>/task/<tid>/comm to name the driver's threads and asks
+    for sockets, which Landlock and the seccomp filter refuse (measured on an H200: error 304 under
+    Landlock alone, and under the filter unless socket() is allowed); once started, the forwards need
+    neither. A device that does not start even here is one clear error, before any sandbox."""
+    import torch
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.set_device(device)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(16, 16, device=device, dtype=dtype)
+            (x @ x).sum().item()
+    except RuntimeError as e:
+        raise HarnessError(f"the worker cannot start {device} on this machine ({str(e).splitlines()[0][:200]}). "
+                           "Score with --device cpu.") from None
+
+
 def check_device_works(device) -> None:
-    """A tensor on the device, before any participant code: a device the sandbox keeps from starting is one
-    clear error (measured on an H200 under Firecracker: CUDA's start fails under Landlock, and under the
-    seccomp filter that refuses socket(); benchmarks/gpu_check.py's sandbox stage probes each part)."""
+    """A tensor on the device, inside the sandbox and before any participant code: a device the sandbox
+    keeps from working is one clear error (benchmarks/gpu_check.py's sandbox stage probes each part)."""
     import torch
     if device.type != "cuda":
         return
@@ -129,6 +149,8 @@ class Server:
         from harness.common import detect_device_type
         self.present = detect_device_type()  # trusted code, before the sandbox: the device is not the sandbox's choice
         limits.apply_rlimits(msg["rlimits"])
+        device = resolve_device(msg.get("device", "auto"), int(msg.get("local_rank", 0)), self.present)
+        start_device(device)
         if msg.get("off"):
             return {"applied": []}
         applied, noatime = [], False
@@ -141,7 +163,11 @@ class Server:
         sandbox.drop_capabilities()
         applied.append("capabilities")
         if msg["abi"] > 0:
-            sandbox.apply_landlock(msg["rules"], msg["abi"])
+            rules = msg["rules"]
+            if device.type == "cuda":  # the driver names the threads it starts later, too
+                rules = rules + [sandbox.thread_names_rule()]
+                applied.append("thread-names")
+            sandbox.apply_landlock(rules, msg["abi"])
             applied.append(f"landlock-{msg['abi']}")
         if msg["seccomp"]:
             sandbox.apply_seccomp(msg["seccomp"])
