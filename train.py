@@ -46,9 +46,7 @@ from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, 
                      make_dataloader, print0, record_step_boundary)
 
 
-# ===============================================================================================
-# THE RECIPE
-# ===============================================================================================
+# ======== THE RECIPE ==================================================================================================
 @dataclass
 class Recipe:
     """The hyperparameters: everything that changes the training trajectory, each a flag (--depth 12); --resume
@@ -150,8 +148,7 @@ class GPTConfig(Architecture):
     def __post_init__(self):
         check_values(self, dict.fromkeys(("logit_softcap", "rope_base"), (lambda v: v > 0, "positive")))
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size "
-                             "(an even --head-dim)")
+            raise ValueError(f"n_embd={self.n_embd} must split into {self.n_head} heads of even size (even --head-dim)")
         self.n_kv_head = self.n_kv_head or self.n_head
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             raise ValueError(f"--n-kv-head {self.n_kv_head}: must divide the {self.n_head} query heads (0: as many)")
@@ -159,11 +156,7 @@ class GPTConfig(Architecture):
         self.short_window = (self.short_window or max(1, self.sequence_len // 4)) if "S" in self.window_pattern else 0
         self.value_embed_layers = value_embed_layers(self.value_embeds, self.n_layer)
         self.windows = layer_windows(self.window_pattern, self.short_window, self.n_layer)
-
-    @property
-    def kv_width(self) -> int:
-        """Channels of the keys and values (and of the value embeddings that add to them)."""
-        return self.n_kv_head * self.n_embd // self.n_head
+        self.kv_width = self.n_kv_head * self.n_embd // self.n_head  # channels of the keys, values, value embeddings
 
 
 def model_config(recipe: Recipe, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> GPTConfig:
@@ -323,12 +316,10 @@ class GPT(nn.Module):
         The Linear each branch of a block (attention, MLP, one of yours) declares last, which writes to the residual
         stream, and a value-embedding gate: zero (each block starts as the identity). Any other Linear or Embedding:
         uniform in +-sqrt(3 / width). Scalars keep their values; a rule of your own is one more branch below."""
-        bound = 3**0.5 * self.config.n_embd**-0.5
-        writers = set()
+        bound, writers, drawn = 3**0.5 * self.config.n_embd**-0.5, set(), set()
         for block in self.blocks:
             for branch in block.children():
                 writers.update([m for m in branch.modules() if isinstance(m, nn.Linear)][-1:])
-        drawn = set()
         for name, module in [("wte", self.wte), ("lm_head", self.lm_head), *self.named_modules()]:
             weight = getattr(module, "weight", None)
             if not isinstance(weight, nn.Parameter) or id(weight) in drawn:
@@ -347,9 +338,8 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per weight, except a table the forward only looks up (an Embedding's weight:
-        the token embedding, value embeddings; tied to a head, the table is that head's matmul too), plus
-        attention's scores and values over each layer's context, the full context or its window (PaLM's rule)."""
+        """Training FLOPs per token: 6 per weight but a table only looked up (an Embedding's: tied to a head, it is the
+        head's matmul too), plus attention's scores and values over each layer's context or window (PaLM's rule)."""
         c = self.config
         lookups = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} - \
             {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
@@ -359,11 +349,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (fp32), or the mean cross-entropy when targets are given.
-        positions [B, T] (rotary position of each token; default 0..T-1) and attn_mask [B, 1, T, T] (bool,
-        True where a query may attend; default causal) let one row hold several sequences, e.g. a shared
-        prefix and its continuations (inference.py), each token getting the logits its own sequence
-        alone would. A sliding window derives from the positions (layer_masks)."""
+        """Logits [B, T, vocab] (fp32), or the training loss when targets are given. positions [B, T] (each token's
+        rotary position; default 0..T-1) and attn_mask [B, 1, T, T] (bool, True where a query may attend; default
+        causal) let one row hold several sequences (inference.py's shared prefix and its continuations), each token
+        getting the logits its own sequence alone would; a sliding window derives from the positions."""
         cos, sin = self.rotary(idx.shape[1], positions)
         masks = self.layer_masks(idx.shape[1], positions, attn_mask)
         with autocast_context(idx.device.type, self.compute_dtype):
@@ -457,8 +446,7 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, beta1
     step.add_(1)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.lerp_(grad.square(), 1 - beta2)
-    # The step size lr / (1 - beta1^step) divides the denominator, so that addcdiv_ needs no temporary
-    # (lr = 0 makes it infinite: a zero step).
+    # lr / (1 - beta1^step) divides the denominator, so addcdiv_ needs no temporary (lr = 0: infinite, a zero step)
     denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(eps).div_(lr / (1 - beta1 ** step))
     param.mul_(1 - lr * weight_decay)
     param.addcdiv_(exp_avg, denom, value=-1.0)
@@ -531,8 +519,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 for p in params:
                     self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros_like(p),
                                          exp_avg_sq=torch.zeros_like(p))
-        # One graph for the whole step: one per update and parameter shape (7) took twice as long to compile
-        # (benchmarks/trainium_ready.py compile-cost).
+        # One graph for the whole step: one per update and shape (7) took twice as long to compile (trainium_ready.py)
         self._update = torch.compile(update_groups, backend=compile_backend, dynamic=False, fullgraph=True) \
             if compile_backend else update_groups
 
@@ -660,7 +647,8 @@ def train(recipe: Recipe, run: Run) -> None:
     optimizer = build_optimizer(model, recipe, run.options, model.compute_dtype, run.profile.compile_backend,
                                 run.geometry.grad_accum_steps)
     step_model = run.start(model, optimizer)  # resumes, same weights on every rank, compiles
-    batches = training_batches(recipe, run.tokenizer, run.geometry.device_batch_size, run.device, run.batches_done)
+    skipped = run.state.step * run.geometry.grad_accum_steps  # a resumed run skips the micro-batches its steps used
+    batches = training_batches(recipe, run.tokenizer, run.geometry.device_batch_size, run.device, skipped)
     while True:
         progress = training_progress(run.state.step, run.clock.charged_seconds(), run.training_seconds, recipe)
         lrm = apply_schedules(optimizer, progress, recipe)
@@ -674,26 +662,18 @@ def train(recipe: Recipe, run: Run) -> None:
 def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
     """The scorer's entry point: the trained model from checkpoint_path on `device`, in eval mode,
     frozen, with a pure causal forward: logits[:, t] depend only on tokens 0..t of their own row."""
-    device = torch.device(device)
     config, state, _ = read_checkpoint(checkpoint_path)
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise ValueError(f"{checkpoint_path} was written by a model with config fields {unknown} that this "
-                         "train.py's GPTConfig does not have")
-    model = build_model(GPTConfig(**config), device, init=False)
-    try:
+    try:  # a config field this GPTConfig lacks (TypeError), or weights of another shape
+        model = build_model(GPTConfig(**config), torch.device(device), init=False)
         model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
+    except (TypeError, RuntimeError) as e:
         raise ValueError(f"{checkpoint_path} does not fit this train.py's GPT with config {config}: "
                          f"{str(e).splitlines()[0]} ...") from None
     return model.eval().requires_grad_(False)
 
 
-# ===============================================================================================
-# MACHINERY: what a run needs around the recipe, rarely edited: the run's bookkeeping, devices, the NKI kernels,
-# data parallelism and ZeRO-1, batch geometry, the budget clock, checkpoint and resume, the command line, main().
-# ===============================================================================================
+# ======== MACHINERY: what a run needs around the recipe, rarely edited ================================================
+# The run's bookkeeping, devices, kernels, data parallelism, batch geometry, the budget clock, checkpoints, command line
 # ---- The run: everything around the training loop --------------------------------------------------------------------
 class TrainingDiverged(RuntimeError):
     pass
@@ -701,9 +681,8 @@ class TrainingDiverged(RuntimeError):
 
 def out_of_time(charged_seconds: float, step_times: list[float], snapshot_seconds: float,
                 training_seconds: float) -> bool:
-    """Whether another step and the snapshot due after it would end past training_seconds (the save's reserve kept),
-    the next step as long as the longest of the last five after start-up: start-up steps, where a cold compile
-    happens, predict nothing."""
+    """Whether another step (as long as the longest of the last five after start-up: a cold compile predicts nothing)
+    and the snapshot due after it would end past training_seconds (the save's reserve kept)."""
     timed = step_times[TRAIN_STARTUP_STEPS_EXCLUDED:]
     return charged_seconds + (max(timed[-5:]) if timed else 0.0) + snapshot_seconds > training_seconds
 
@@ -718,12 +697,6 @@ class Run:
         self.geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, world_size)
         self.tokenizer = ensure_tokenizer()
         self.state, self.step_times, self.metrics = RunState(), [], []
-        self.model = self.optimizer = self.clock = None
-
-    @property
-    def batches_done(self) -> int:
-        """Micro-batches this rank's loader has given so far (a resumed run skips them)."""
-        return self.state.step * self.geometry.grad_accum_steps
 
     def mfu_percent(self, tokens_per_second: float) -> float:
         return 100 * self.flops_per_token * tokens_per_second / (self.profile.peak_flops * self.world_size)
@@ -747,8 +720,7 @@ class Run:
         self.flops_per_token = model.flops_per_token()
         print0(f"device: {self.device} x {self.world_size} | compute dtype: {profile.compute_dtype or torch.float32} | "
                f"peak {profile.peak_flops / 1e12:.2f} TFLOP/s per rank ({profile.peak_source})")
-        c = model.config
-        default = dataclasses.replace(c, **asdict(Architecture()))  # this size's default architecture
+        c, default = model.config, dataclasses.replace(model.config, **asdict(Architecture()))  # at this size
         on = {k: getattr(c, k) for k in asdict(Architecture()) if getattr(c, k) != getattr(default, k)}
         print0(f"model: {c.n_layer} layers of width {c.n_embd} ({c.n_head} heads of {c.n_embd // c.n_head}), context "
                f"{c.sequence_len}, vocabulary {c.vocab_size}" + "".join(f", {k} {v!r}" for k, v in on.items()))
@@ -803,16 +775,14 @@ class Run:
     def finish(self) -> None:
         """Save out_dir/final.pt (rank 0), score public_val (every rank takes part), print the summary."""
         recipe, options, state = self.recipe, self.options, self.state
-        trained = self.clock.status(recipe.time_budget)
-        checkpoint = Path(options.out_dir) / "final.pt"
+        trained, checkpoint = self.clock.status(recipe.time_budget), Path(options.out_dir) / "final.pt"
         if self.rank == 0:
             save_checkpoint(checkpoint, self.model, {
                 "step": state.step, "total_train_tokens": state.tokens_seen, "world_size": self.world_size,
                 "recipe": recipe_settings(recipe), "run_options": asdict(options), "final_loss": state.train_loss})
         if self.world_size > 1:
             dist.barrier()  # the checkpoint is on disk before any rank reports
-        final = self.clock.status(recipe.time_budget)
-        result = None
+        final, result = self.clock.status(recipe.time_budget), None
         if options.eval_public and options.eval_tokens > 0:
             # Every rank calls evaluate_bpb with the same arguments: under torchrun it shares the rows among them.
             eval_batch = max(1, self.geometry.device_batch_size * recipe.seq_len // EVAL_SEQ_LEN)
@@ -888,10 +858,9 @@ def cpu_threads() -> int:
 
 def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: float = CPU_PEAK_SECONDS) -> float:
     """Peak matmul FLOP/s of this process on the CPU: the best single-thread matmul times cpu_threads()."""
-    threads = torch.get_num_threads()
+    threads, best = torch.get_num_threads(), 0.0
     torch.set_num_threads(1)
     try:
-        best = 0.0
         for n in sizes:
             a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
             torch.matmul(a, b, out=c)  # warm-up
@@ -899,8 +868,7 @@ def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: floa
             while calls < CPU_PEAK_MIN_CALLS or time.perf_counter() < end:
                 t0 = time.perf_counter()
                 torch.matmul(a, b, out=c)
-                best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-                calls += 1
+                best, calls = max(best, 2 * n**3 / (time.perf_counter() - t0)), calls + 1
     finally:
         torch.set_num_threads(threads)
     return best * cpu_threads()
@@ -1005,9 +973,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # ---- Kernels: the inline NKI kernel relu(x)^2, and the --nki-* flags that bind kernels in place of ops ---------------
-# A kernel comes in four parts: a PyTorch reference (the specification and the fallback), the NKI kernels, an
-# autograd.Function that runs them, and an op that takes the kernel where the tensor fits. A train.py may be uploaded
-# alone, so it keeps its own copy of what it needs of kernels/common.py (tests/test_kernels.py holds them equal).
+# A kernel: a PyTorch reference (the specification and the fallback), the NKI kernels, an autograd.Function that runs
+# them, an op that takes the kernel where the tensor fits. A train.py uploaded alone keeps its kernels/common.py copy.
 
 try:
     import nki
@@ -1024,8 +991,7 @@ RELU2_MAX_WIDTH = 8192  # columns per tile: 8 bytes per element in flight, well 
 _NOTICES: set[str] = set()
 
 
-def notice_once(message: str) -> None:
-    """Print a notice once per process, on rank 0."""
+def notice_once(message: str) -> None:  # once per process, on rank 0
     if message not in _NOTICES:
         _NOTICES.add(message)
         print0(f"notice: {message}")
@@ -1145,9 +1111,8 @@ def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
     """relu(x)^2 as the kernel pair where x fits it (pick_kernel); elsewhere the reference."""
     fits = x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] <= RELU2_MAX_WIDTH
     why = f"shape {tuple(x.shape)} {x.dtype} does not fit (width <= {RELU2_MAX_WIDTH}, bf16/fp32)"
-    if pick_kernel("relu2", x, fits, why, x.numel() // x.shape[-1]):
-        return ReLUSquared.apply(x)
-    return relu2_forward_reference(x)
+    return ReLUSquared.apply(x) if pick_kernel("relu2", x, fits, why, x.numel() // x.shape[-1]) else \
+        relu2_forward_reference(x)
 
 
 # --nki-* flag (a RunOptions field) -> the recipe's function it replaces; setup_kernels binds the kernel there.
@@ -1203,10 +1168,7 @@ def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> N
     if options.compile:
         raise SystemExit(f"error: --compile with {flags}: the kernels run eagerly from torch.autograd.Functions, not "
                          "as torch.compile custom ops (torch_neuronx.nki_op): drop --compile or the flags")
-    try:
-        logical_core_count()
-    except ValueError as e:
-        raise SystemExit(f"error: {flags}: {e}") from None
+    logical_core_count()  # set, or a ValueError that says how
     if on != ["nki_relu2"]:  # the kernels/ modules check the nki release they were written for
         from kernels.common import installed_nki_version, nki_version_problem
         problem = nki_version_problem(installed_nki_version())
@@ -1309,8 +1271,7 @@ class DataParallelOptimizer:
         params = [p for g in param_groups for p in g["params"]]
         self._matrices = [g["params"] for g in param_groups if g["kind"] == "muon"]  # whole on their owner
         order = ready_order or params[::-1]
-        whole = {p for ps in self._matrices for p in ps}
-        parts = world_size if self.shard else 1
+        whole, parts = {p for ps in self._matrices for p in ps}, world_size if self.shard else 1
         self.buckets = plan_buckets(order, whole, parts, bucket_bytes // 4) if world_size > 1 else []
         self._slot = {p: (b, b.slots[p]) for b in self.buckets for p in b.params}
         for b in self.buckets:
@@ -1393,9 +1354,7 @@ class DataParallelOptimizer:
             for bucket in self.buckets:
                 for p in bucket.params:
                     p.copy_(bucket.values(p))
-        self._packed.clear()
-        self._backwards.clear()
-        self._launched, self._grads_ready = 0, False
+        self._packed, self._backwards, self._launched, self._grads_ready = set(), collections.Counter(), 0, False
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         self._backwards[p] += 1
@@ -1456,13 +1415,11 @@ def forward_on_meta(config: GPTConfig, model_class: type = GPT) -> tuple[list[st
                     first_use.setdefault(names[id(a)], len(first_use))
             return func(*args, **(kwargs or {}))
 
-    def counted(op):
-        def call(*args, **kwargs):
-            called.add(op)
-            return originals[op](*args, **kwargs)
-        return call
+    def call(op, *args, **kwargs):  # the op, counted
+        called.add(op)
+        return originals[op](*args, **kwargs)
 
-    globals().update({op: counted(op) for op in originals})
+    globals().update({op: functools.partial(call, op) for op in originals})
     try:
         tokens = torch.zeros(1, 2, dtype=torch.long, device="meta")
         with RecordUse():
@@ -1524,9 +1481,8 @@ def build_optimizer(model: GPT, recipe: Recipe, options: RunOptions | None = Non
                                       compile_backend if compiled else None)
     line = f"optimizer: update {f'compiled ({compile_backend})' if compiled else 'eager'}"
     if world_size > 1:
-        line += f" | gradients in {len(optimizer.buckets)} buckets over {world_size} ranks, " + \
-            (f"sharded (ZeRO-1, padding {100 * padding:.1f}%)" if shard else
-             f"not sharded (sharded, the layout would pad {100 * padding:.1f}%)")
+        how = "sharded (ZeRO-1, padding" if shard else "not sharded (sharded, the layout would pad"
+        line += f" | gradients in {len(optimizer.buckets)} buckets over {world_size} ranks, {how} {100 * padding:.1f}%)"
     print0(f"{line} | state {optimizer.state_bytes() / 2**20:.1f} MiB on this rank")
     return optimizer
 
@@ -1582,8 +1538,7 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
 
 
 # A row starts at a document's start, so rows of 256 train only each document's first 257 tokens. Once a run has read
-# those about twice, rows twice as long win: the crossing lies between 1.3 and 2.1 passes (one doubling measured,
-# 256 to 512: docs/presets-and-benchmarks.md).
+# those about twice, rows twice as long win (the crossing: 1.3-2.1 passes, 256 to 512; docs/presets-and-benchmarks.md).
 MAX_PASSES = 2.0
 # The cpu preset's MFU on the 2-core machines, what the rule expects of a run it has not started yet
 EXPECTED_MFU = {None: 0.46, torch.bfloat16: 0.33}  # by compute dtype (None: fp32)
@@ -1614,7 +1569,6 @@ def rows_for_budget(recipe: Recipe, flops_per_second: float, documents: int) -> 
 
 # ---- The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it --------------------
 # Charged time = wall time since the process started, minus the start-up allowance, plus earlier processes'.
-
 def clock_seconds() -> float:
     """Linux's boot clock (/proc/self/stat's), else a monotonic one; never time.time(), which NTP can step."""
     return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
@@ -1666,7 +1620,8 @@ RUN_FILES = ("final.pt", "log.txt", "summary.json", "metrics.jsonl", "loss.png")
 
 
 def keep_previous_run(out_dir: Path) -> None:
-    """Move an earlier run's RUN_FILES into out_dir/run-<when it ended>, and say so."""
+    """Make out_dir, moving an earlier run's RUN_FILES into out_dir/run-<when it ended> (and saying so)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     found = [out_dir / name for name in RUN_FILES if (out_dir / name).exists()]
     if not found:
         return
@@ -1706,8 +1661,8 @@ def write_run_folder(out_dir: Path, summary: dict, metrics: list[dict], training
     """summary.json, metrics.jsonl and loss.png beside final.pt (after the checkpoint: the budget never pays)."""
     summary = {key: json_value(value) for key, value in summary.items()}
     write_atomically(out_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
-    write_atomically(out_dir / "metrics.jsonl", lambda tmp: tmp.write_text("".join(json.dumps(m) + "\n"
-                                                                                   for m in metrics)))
+    lines = "".join(f"{json.dumps(m)}\n" for m in metrics)
+    write_atomically(out_dir / "metrics.jsonl", lambda tmp: tmp.write_text(lines))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1719,8 +1674,7 @@ def write_run_folder(out_dir: Path, summary: dict, metrics: list[dict], training
         ax.plot([m["charged_seconds"] for m in metrics], [m["loss"] for m in metrics], marker=".")
         ax.axvline(training_seconds, color="gray", linestyle="--", label=f"stop for the save, {training_seconds:.0f}s")
         ax.axvline(budget, color="red", linestyle=":", label=f"budget, {budget:.0f}s")
-        ax.set(xlabel="charged seconds", ylabel="training loss (smoothed)",
-               title=f"val_bpb estimate {summary.get('val_bpb')}")
+        ax.set(xlabel="charged seconds", ylabel="training loss (smoothed)", title=f"val_bpb {summary.get('val_bpb')}")
         ax.legend()
         write_atomically(out_dir / "loss.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100))
         plt.close(fig)
@@ -1730,7 +1684,6 @@ def write_run_folder(out_dir: Path, summary: dict, metrics: list[dict], training
 
 # ---- Checkpoint: model config as plain data + state dict + run metadata, written atomically --------------------------
 # The organisers' keys (model_state, model_config, meta) plus our format tag, which their checkpoints lack.
-
 CHECKPOINT_FORMAT = "trainium-frontier-gpt/2"
 
 
@@ -1773,7 +1726,6 @@ def read_checkpoint(path) -> tuple[dict, dict, dict]:
 
 
 # Resumable runs: latest.json moves to a snapshot once every rank's files are on disk, so a crash leaves one whole.
-
 STATE_DIR = "state"
 
 
@@ -1881,17 +1833,15 @@ BOOL_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys
 ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL")
 
 PRESETS = {
-    # A laptop CPU for 5 minutes: benchmarks/preset_sweep.py's winner at 300 s on 2 cores, ~600 steps of 4K
-    # tokens; compiled, since eager elementwise work on the 8192-wide logits dominates a CPU step. Rows of 512
-    # where the budget would pass twice over what rows of 256 reach (rows_for_budget).
+    # A laptop CPU for 5 minutes: benchmarks/preset_sweep.py's winner at 300 s on 2 cores; compiled (eager elementwise
+    # work on the 8192-wide logits dominates a CPU step); rows of 512 where rows of 256 would be read twice.
     "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
                 compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, rows_for_budget=True,
                 **ADOPTED_INGREDIENTS),
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
     "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0,
                 **ADOPTED_INGREDIENTS),
-    # Phase 2: a trn2.48xlarge (64 ranks at LNC=2) for 4 hours, as `tools/plan.py --ranks 64 --budget 14400`
-    # picks (a test keeps the two in step); two rows per micro-batch keep a rank inside its 24 GiB (estimated).
+    # Phase 2: 64 ranks at LNC=2 for 4 hours, as tools/plan.py picks (tested); two rows keep a rank in its 24 GiB (est.)
     "phase2": dict(depth=23, total_batch_size=2**19, device_batch_size=2, time_budget=14400.0, save_every=1800.0),
 }
 
@@ -1967,8 +1917,7 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
 
 def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) -> tuple[dict, dict]:
     """Settings made by the environment variables of ENVIRONMENT: ({field: value}, {field: "VAR=value"})."""
-    types = {f.name: str(f.type) for f in setting_fields()}
-    values, used = {}, {}
+    types, values, used = {f.name: str(f.type) for f in setting_fields()}, {}, {}
     for name, variables in ENVIRONMENT.items():
         found = {var: environ[var].strip() for var in variables if environ.get(var, "").strip()}
         if not found:
@@ -2009,9 +1958,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def main(argv=None) -> int:
     recipe, options, notes = parse_command_line(argv)
-    config = model_config(recipe)  # a malformed ingredient flag is an error before any data, device or process group
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
-    setup_kernels(options, device_type, config)
+    setup_kernels(options, device_type, model_config(recipe))  # a malformed model flag fails here, before any data
     profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
     notes = [f"environment: {note}" for note in notes]
     if options.rows_for_budget:
@@ -2022,7 +1970,6 @@ def main(argv=None) -> int:
     torch.manual_seed(recipe.seed)
     stdout = sys.stdout
     if rank == 0:  # the run's log beside its checkpoint, an earlier run's files kept
-        Path(options.out_dir).mkdir(parents=True, exist_ok=True)
         keep_previous_run(Path(options.out_dir))
         sys.stdout = Tee(stdout, Path(options.out_dir) / "log.txt")
     for note in notes:
