@@ -80,10 +80,13 @@ def kit_copy(dtype: str) -> Path:
 def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_tokens: int) -> dict:
     worst = {"causality": 0.0, "batch_content": 0.0, "replay": 0.0, "batch_size": 0.0}
     model = load(checkpoint, dtype)
+    refused = probes = twins = 0
     for _ in range(secrets_count):
         r = M.causality_check(model, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
                               max_rows=max_tokens // prepare.EVAL_SEQ_LEN)
+        probes, twins = probes + r["probes"], twins + r["twins"]
         if not r["passed"]:
+            refused += 1
             print(f"  REFUSED in process ({dtype}): {r['message']}")
         for kind, key in (("causality", "causal_max_abs_diff"), ("batch_content", "batch_content_max_abs_diff"),
                           ("replay", "replay_max_abs_diff"), ("batch_size", "batch_size_max_abs_diff")):
@@ -91,9 +94,9 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
     with copy_submission(kit_copy(dtype), checkpoint) as submission:
         cli = M.evaluate_checkpoint(submission, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
                                     max_tokens=max_tokens)
-    return {"in_process": worst, "workers": {"causality": cli["causality_max_abs_diff"],
-                                             "replay": cli["replay_max_abs_diff"],
-                                             "batch_size": cli["batch_size_max_abs_diff"]}}
+    return {"in_process": worst, "refused": refused, "probes": probes, "twins": twins,
+            "workers": {"causality": cli["causality_max_abs_diff"], "replay": cli["replay_max_abs_diff"],
+                        "batch_size": cli["batch_size_max_abs_diff"], "probes": cli["probes"], "twins": cli["twins"]}}
 
 
 class _Forward(M.LocalForward):
@@ -256,7 +259,14 @@ def main():
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model runs")
     parser.add_argument("--bias-runs", type=int, default=10000, help="official-sized samples the bias test is run on")
+    official = M.probe_counts(prepare.EVAL_TOKENS // prepare.EVAL_SEQ_LEN)[0]
+    parser.add_argument("--probes", type=int, default=None,
+                        help=f"probes per evaluation, however few rows are scored ({official}: an official run's; "
+                             "default: as many as the rows would get)")
+    parser.add_argument("--no-core", action="store_true", help="the val_bpb checks only")
     args = parser.parse_args()
+    if args.probes:  # every row probed as often as it takes, at as many cut positions
+        M.PROBE_FRACTION = args.probes / (args.max_tokens // prepare.EVAL_SEQ_LEN)
     global DEVICE
     DEVICE = args.device
     checkpoint = args.checkpoint or save_random_checkpoint("cpu", random_projections=True)
@@ -265,10 +275,13 @@ def main():
     print(f"checkpoint: {checkpoint}")
     for dtype in args.dtypes.split(","):
         b = bpb_checks(checkpoint, dtype, tokenizer, args.secrets, args.max_tokens)
-        c = core_differences(checkpoint, dtype, tokenizer, args.examples)
         print(f"--- {dtype} (tolerances {checks.TOLERANCE_NATS})")
-        print(f"val_bpb, in process, {args.secrets} secrets: " + ", ".join(f"{k} {v:.3g}" for k, v in b["in_process"].items()))
+        print(f"val_bpb, in process, {args.secrets} secrets ({b['probes']} probes, {b['twins']} twins): refused "
+              f"{b['refused']}; largest differences " + ", ".join(f"{k} {v:.3g}" for k, v in b["in_process"].items()))
         print("val_bpb, two workers: " + ", ".join(f"{k} {v:.3g}" for k, v in b["workers"].items()))
+        if args.no_core:
+            continue
+        c = core_differences(checkpoint, dtype, tokenizer, args.examples)
         print(f"CORE, inference.py vs trusted path: per token {c['per_token']:.3g}, per mean {c['per_mean']:.3g}, "
               f"greedy gap {c['greedy_gap']:.3g} nats; {len(c['flips'])} of {c['decisions']} decisions differ, "
               f"trusted margins {c['flips'][:8]} (harness: {TOLERANCES})")

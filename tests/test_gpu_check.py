@@ -31,13 +31,16 @@ def only_result(out):
 def test_the_rehearsal_runs_every_stage_and_reports_every_field(tmp_path, text_dataset):
     out = tmp_path / "out"
     gpu_check("--rehearsal", "--seconds", "9", "--data", str(text_dataset), "--work", str(tmp_path / "work"),
-              "--out", str(out), "--skip", "nanochat")
+              "--out", str(out), "--skip", "nanochat,nanochat_gpu")
     result, path = only_result(out)
     stages = result["stages"]
     assert {name: e["status"] for name, e in stages.items()} == \
         {name: "ok" for name in ("environment", "peak", "sandbox", "d10", "gpu", "core", "attention", "tolerances")}, \
         stages
-    assert set(stages["sandbox"]) >= {"none", "landlock", "seccomp", "all"}  # each part probed, on a CPU all "ok"
+    parts = {k: v for k, v in stages["sandbox"].items() if k not in ("status", "wall_seconds", "card")}
+    assert set(parts) >= {"none", "landlock", "seccomp", "all", "all-thread-names", "all-device-started-first", "worker"}
+    assert set(parts.values()) == {"ok"}, parts  # each part probed; on a CPU every one leaves the device working
+    assert {e["card"] for e in stages.values()} == {"CPU (rehearsal)"}  # every figure says which card it came from
     assert stages["environment"]["torch"] and stages["peak"]["tflops"] > 0
     for run in ("d10", "gpu"):
         r = stages[run]
@@ -50,15 +53,19 @@ def test_the_rehearsal_runs_every_stage_and_reports_every_field(tmp_path, text_d
         assert len(r["loss_curve"]) >= 3 and r["loss_curve"][-1][2] < r["loss_curve"][0][2]  # it learned
         e = r["eval_public"]
         assert math.isfinite(e["val_bpb"]) and e["causality_passed"] is True and e["official"] is False
+        assert "sandboxed_attempt_failed" not in e and "landlock" in " ".join(e["sandbox"])  # scored in the sandbox
         assert any("--max-tokens" in why for why in e["not_official_because"])  # the rehearsal's count, said
     assert stages["gpu"]["num_params_M"] > stages["d10"]["num_params_M"]  # the preset's value embeddings
     core = stages["core"]
     assert 0 < core["examples"] and -1 <= core["core"] <= 1
     assert core["honest_differences"]["max_abs_loss_diff"] < core["tolerances"]["loss"]
     assert stages["attention"]["flex_vs_dense_max_abs_diff"] < 1e-4
-    assert any(line.startswith("CORE, inference.py vs trusted path") for line in stages["tolerances"]["lines"])
+    lines = stages["tolerances"]["lines"]
+    assert any(line.startswith("CORE, inference.py vs trusted path") for line in lines)
+    assert any(line.startswith("val_bpb, in process, 1 secrets (64 probes") and "refused 0" in line for line in lines)
     table = path.with_suffix(".md").read_text()
     assert "| kit d10" in table and "| kit --preset gpu" in table and "CORE-shaped bundle" in table
+    assert "| CPU (rehearsal) |" in table and "Sandbox parts on CPU (rehearsal)" in table
 
 
 @pytest.mark.slow
