@@ -217,6 +217,11 @@ class NanochatGPT(nn.Module):
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
 
+# None: nanochat's own choice (compute_dtype_for); benchmarks/side_by_side.py scores with a copy that sets the dtype
+# the kit's load_for_eval picks on the machine, so that both models are scored in one dtype.
+SCORE_DTYPE = None
+
+
 def compute_dtype_for(device: torch.device) -> torch.dtype:
     """nanochat's choice: bf16 on a CUDA GPU of SM 80 or newer, fp32 otherwise."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
@@ -238,7 +243,7 @@ def load_for_eval(checkpoint_path: str, device) -> nn.Module:
         raise ValueError(f"{checkpoint_path}: model_config lacks {missing}")
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
     padded_vocab_size = state["transformer.wte.weight"].shape[0]
-    model = NanochatGPT(cfg, padded_vocab_size, compute_dtype_for(device))
+    model = NanochatGPT(cfg, padded_vocab_size, SCORE_DTYPE or compute_dtype_for(device))
     model.load_state_dict(state, strict=True)
     # nanochat keeps its embeddings in the compute dtype (init_weights casts them); the rest in fp32
     if model.compute_dtype != torch.float16:

@@ -1,21 +1,30 @@
 """The kit's `--preset cpu` against nanochat at equal wall time, on a text of your own, with one scorer.
 
     python benchmarks/side_by_side.py --nanochat nanochat-92d63d4.tar.gz --text ~/mytext --work ~/sbs --seconds 425
-    python benchmarks/side_by_side.py ... --multiples 1,3        # and at 3x the time
+    python benchmarks/side_by_side.py ... --multiples 1,3 --nanochat-shapes defaults,kit   # 3x too; nanochat twice
 
---text is a folder of .txt/.jsonl/.parquet files (a `dir:` source). The work folder gets the text prepared
-as its own dataset (`prepare.py setup --source dir:TEXT --build-tokenizer-if-missing`: a BPE tokenizer
-trained on its training split, in a cache of its own, so the machine's active dataset stays what it was),
-nanochat unpacked and patched (benchmarks/nanochat_peer.py prepare: nanochat's tokenizer files are written
-from that tokenizer, so both models see the same tokens), then for each multiple m:
-1. nanochat's base_train in its CPU shape (depth 4, width 256, rows of 512, 4,096 tokens a step) for
-   m x SECONDS of its own training time (nanochat_peer.py train), in the machine's fast dtype;
-2. the kit's `train.py --preset cpu --time-budget T`, T = the training seconds nanochat reported, in the
-   same dtype (`--dtype auto`);
-3. both checkpoints scored by the kit's scorer (`prepare.py eval-public --seq-len 512`, the same tokens of
-   the text's public_val for both; 512 is the longest context both trained on).
-It prints one markdown table and writes it to WORK/table.md. A finished part (its summary and its score
-on disk) is kept and read back, never run again: rerun after a crash to finish the rest. Run it alone."""
+--text is a folder of .txt, .jsonl or .parquet files (jsonl and parquet need a `text` column or key). It is
+prepared as a dataset of its own (`prepare.py setup --source dir:TEXT --build-tokenizer-if-missing`): the
+documents are re-chunked and sharded, the last shard is held out as public_val (scored, never trained on),
+and a BPE tokenizer is trained on the training split, all in WORK's own cache (the machine's active dataset
+stays what it was). nanochat is unpacked and patched (benchmarks/nanochat_peer.py prepare; its tokenizer
+files are written from that tokenizer, so both models see the same tokens). Then, for each multiple m:
+1. nanochat's base_train for m x SECONDS of its own training time (nanochat_peer.py train) in the machine's
+   fast dtype, at each of --nanochat-shapes: `defaults` (its CPU shape: depth 4, rows of 512, 4,096 tokens a
+   step, everything else nanochat's defaults: aspect ratio 64, head dim 128, window pattern SSSL, which SDPA
+   runs as a dense mask) and `kit` (the kit's preset shape: depth 3, width 192 in heads of 64, rows of 256,
+   4,096 tokens a step, full context). A run whose training time misses its target by more than 5 % (a
+   disturbed machine) is run again once, and the table says if it still misses;
+2. the kit's `train.py --preset cpu --time-budget T`, T = the training seconds of nanochat's first shape's run
+   (`--dtype auto`: the same dtype);
+3. every checkpoint scored by the kit's scorer (`prepare.py eval-public --seq-len 512`, the same tokens of
+   the text's public_val; 512 is the longest context all trained on), in one dtype: the kit's load_for_eval's
+   (bf16 on a CPU with fast bf16), nanochat's adapter set to the same.
+It prints progress once a minute and one markdown table at the end, also written to WORK/table.md (the text
+named by its folder's name, no path). A finished part (its summary and its score on disk) is kept and read
+back, never run again: rerun after a crash to finish the rest. At 1x of 425 s each multiple takes about 25
+minutes per nanochat shape on 2 cores (training, then scoring ~10 minutes per checkpoint at the official
+token count; --max-tokens 524288 takes ~2). Run it alone: the comparison is of speed."""
 from __future__ import annotations
 
 import argparse
@@ -23,28 +32,44 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = REPO / "benchmarks" / "nanochat_peer.py"
 ADAPTER = REPO / "benchmarks" / "nanochat_adapter.py"
-NANOCHAT_SHAPE = ["--depth", "4", "--seq-len", "512", "--device-batch-size", "8", "--total-batch-size", "4096"]
+NANOCHAT_SHAPES = {
+    "defaults": ["--depth", "4", "--seq-len", "512", "--device-batch-size", "8", "--total-batch-size", "4096"],
+    "kit": ["--depth", "3", "--seq-len", "256", "--device-batch-size", "16", "--total-batch-size", "4096",
+            "--extra", "--aspect-ratio", "64", "--head-dim", "64", "--window-pattern", "L"],
+}
 SCORE_CONTEXT = 512
+TIME_SLACK = 0.05  # nanochat's training seconds may miss the target by this share before it is run again
+PROGRESS_SECONDS = 60
 
 
 class Failed(Exception):
     pass
 
 
-def run(cmd: list[str], env: dict, log: Path) -> None:
-    """Run a step with its output in `log`; a failure names the step and the log."""
+def run(cmd: list, env: dict, log: Path) -> None:
+    """Run a step with its output in `log`, printing its last line once a minute; a failure names the step and
+    the log."""
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[side-by-side] {' '.join(map(str, cmd))}  (log: {log})", flush=True)
+    t0 = time.monotonic()
     with open(log, "w") as f:
-        rc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        p = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                rc = p.wait(timeout=PROGRESS_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                last = (log.read_text(errors="replace").strip().splitlines() or ["(no output yet)"])[-1]
+                print(f"[side-by-side]   {time.monotonic() - t0:.0f}s: {last[:160]}", flush=True)
     if rc != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-        raise Failed(f"{Path(cmd[1]).name} {cmd[2] if len(cmd) > 2 else ''} exited with {rc}: {tail[0][:300]} "
+        raise Failed(f"{Path(str(cmd[1])).name} {cmd[2] if len(cmd) > 2 else ''} exited with {rc}: {tail[0][:300]} "
                      f"(log: {log})")
 
 
@@ -53,6 +78,20 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def scoring_adapter(work: Path) -> Path:
+    """nanochat's adapter set to score in the dtype the kit's load_for_eval scores in on this machine."""
+    sys.path.insert(0, str(REPO))
+    import train
+    dtype = str(train.compute_dtype_for("cpu") or "torch.float32")
+    text = ADAPTER.read_text()
+    if "\nSCORE_DTYPE = None" not in text:
+        raise Failed(f"{ADAPTER} has no SCORE_DTYPE line to set")
+    path = work / "score" / ADAPTER.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.replace("\nSCORE_DTYPE = None", f"\nSCORE_DTYPE = {dtype}", 1))
+    return path
 
 
 def score(train_py: Path, checkpoint: Path, report: Path, env: dict, max_tokens: int | None) -> float:
@@ -69,6 +108,29 @@ def score(train_py: Path, checkpoint: Path, report: Path, env: dict, max_tokens:
     return float(done["val_bpb"])
 
 
+def missed(summary: dict, target: float) -> bool:
+    return abs(summary["training_seconds"] - target) > TIME_SLACK * target
+
+
+def train_nanochat(work: Path, here: Path, shape: str, target: float, env: dict) -> dict:
+    """nanochat's run at a shape for `target` training seconds: kept, or run (once more where it misses)."""
+    out = here / f"nanochat-{shape}"
+    summary = read_json(out / "summary.json")
+    for attempt in range(2):
+        if summary and "failed" not in summary and not (attempt == 0 and missed(summary, target)
+                                                         and not summary.get("rerun")):
+            break
+        run([sys.executable, PEER, "train", "--work", work / "peer", "--out", out, "--device", "cpu",
+             "--dtype", "auto", "--seconds", f"{target:g}", *NANOCHAT_SHAPES[shape]], env, here / f"nanochat-{shape}.log")
+        summary = read_json(out / "summary.json")
+        if summary and attempt == 0 and missed(summary, target):
+            print(f"[side-by-side] nanochat ({shape}) trained {summary['training_seconds']:.0f}s for a target of "
+                  f"{target:.0f}s: more than {TIME_SLACK:.0%} off, running it again", flush=True)
+            summary["rerun"] = True
+            (out / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
 def side_by_side(args) -> list[dict]:
     work = Path(args.work).expanduser().resolve()
     text = Path(args.text).expanduser().resolve()
@@ -82,55 +144,84 @@ def side_by_side(args) -> list[dict]:
     if not (work / "peer" / "nanochat").exists():
         run([sys.executable, PEER, "prepare", "--snapshot", Path(args.nanochat).expanduser().resolve(), "--work",
              work / "peer"], env, work / "peer-prepare.log")
+    adapter = scoring_adapter(work)
     rows = []
     for m in args.multiples:
-        here = work / f"{m:g}x"
-        nanochat = read_json(here / "nanochat" / "summary.json")
-        if not nanochat or "failed" in nanochat:
-            run([sys.executable, PEER, "train", "--work", work / "peer", "--out", here / "nanochat", "--device", "cpu",
-                 "--dtype", "auto", "--seconds", f"{m * args.seconds:g}", *NANOCHAT_SHAPE], env,
-                here / "nanochat.log")
-            nanochat = read_json(here / "nanochat" / "summary.json")
-        seconds = nanochat["training_seconds"]
+        here, target = work / f"{m:g}x", m * args.seconds
+        nanochat = {shape: train_nanochat(work, here, shape, target, env) for shape in args.nanochat_shapes}
+        seconds = nanochat[args.nanochat_shapes[0]]["training_seconds"]
         kit = read_json(here / "kit" / "summary.json")
         if not kit:
             run([sys.executable, REPO / "train.py", "--preset", "cpu", "--time-budget", f"{seconds:.1f}",
                  "--dtype", "auto", "--no-eval-public", "--device", "cpu", "--out-dir", here / "kit"], env,
                 here / "kit.log")
             kit = read_json(here / "kit" / "summary.json")
-        nanochat_bpb = score(ADAPTER, here / "nanochat" / "final.pt", here / "nanochat-score.json", env,
-                             args.max_tokens)
+        bpb = {shape: score(adapter, here / f"nanochat-{shape}" / "final.pt", here / f"nanochat-{shape}-score.json",
+                            env, args.max_tokens) for shape in args.nanochat_shapes}
         kit_bpb = score(REPO / "train.py", here / "kit" / "final.pt", here / "kit-score.json", env, args.max_tokens)
-        rows.append({"multiple": m, "seconds": seconds, "nanochat": nanochat, "kit": kit,
-                     "nanochat_bpb": nanochat_bpb, "kit_bpb": kit_bpb})
+        first_step, tokens = kit_first_step_and_tokens(here / "kit")
+        rows.append({"multiple": m, "target": target, "seconds": seconds, "nanochat": nanochat,
+                     "kit": {**kit, "first_step_seconds": first_step, "tokens": tokens},
+                     "nanochat_bpb": bpb, "kit_bpb": kit_bpb, "score_dtype": kit["compute_dtype"]})
     return rows
 
 
+def kit_first_step_and_tokens(out: Path) -> tuple[float, float]:
+    """The kit run's first step's seconds (the cold compile) and its tokens, from its metrics.jsonl."""
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    sys.path.insert(0, str(REPO))
+    import train
+    return steps[0]["dt"], len(steps) * train.PRESETS["cpu"]["total_batch_size"]
+
+
+def nanochat_label(shape: str, summary: dict) -> str:
+    """What nanochat ran, read from its checkpoint's config and its log."""
+    cfg = summary.get("checkpoint", {}).get("model_config", {})
+    width, heads = cfg.get("n_embd"), cfg.get("n_head")
+    attention = "windows on SDPA's dense mask" if summary.get("sliding_window_warning") else "full context"
+    return (f"nanochat {shape} (d{cfg.get('n_layer', '?')}, w{width}, {heads} heads of "
+            f"{width // heads if width and heads else '?'}, {cfg.get('window_pattern', '?')}: {attention}, "
+            f"rows of {cfg.get('sequence_len', '?')}, {summary['tokens_per_step']:,} tokens a step, "
+            f"{summary['num_params'] / 1e6:.1f}M params, {summary.get('compute_dtype', '?')})")
+
+
 def table(rows: list[dict], text: str) -> str:
-    lines = [f"Text: {text}; scored at context {SCORE_CONTEXT} by prepare.py eval-public.", "",
-             "| time | run | steps | tokens/s | MFU | val_bpb | vs nanochat |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    first = next(iter(rows[0]["nanochat"])) if rows else "?"
+    lines = [f"Text: {Path(text).name}; every checkpoint scored at context {SCORE_CONTEXT} by prepare.py eval-public, "
+             f"in {rows[0]['score_dtype'] if rows else '?'}.", "",
+             f"| time | run | steps | tokens (M) | tokens/s | first step s | MFU | val_bpb | vs nanochat {first} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        nc, kit = r["nanochat"], r["kit"]
-        mfu = f"{nc['mfu_percent_mean']:.1f} %" if nc.get("mfu_percent_mean") else "–"
-        dtype = nc.get("env", {}).get("NANOCHAT_DTYPE", "?")
-        lines.append(f"| {r['multiple']:g}x ({r['seconds']:.0f} s) | nanochat d4 (w256, rows of 512, batch 4,096, "
-                     f"{dtype}) | {nc['steps']} | {nc['tokens_per_second']:,.0f} | {mfu} | "
-                     f"{r['nanochat_bpb']:.4f} | – |")
-        change = 100 * (r["kit_bpb"] - r["nanochat_bpb"]) / r["nanochat_bpb"]
-        lines.append(f"| | kit `--preset cpu` (rows of {kit.get('seq_len', '?')}, {kit['compute_dtype']}) | "
-                     f"{kit['num_steps']} | {kit['tokens_per_second']:,.0f} | {kit['mfu_percent']:.1f} % | "
-                     f"{r['kit_bpb']:.4f} | {change:+.1f} % |")
+        for shape, nc in r["nanochat"].items():
+            mfu = f"{nc['mfu_percent_mean']:.1f} %" if nc.get("mfu_percent_mean") else "–"
+            off = " **missed its target by more than 5 %**" if missed(nc, r["target"]) else ""
+            change = 100 * (r["nanochat_bpb"][shape] - r["nanochat_bpb"][first]) / r["nanochat_bpb"][first]
+            lines.append(f"| {r['multiple']:g}x (target {r['target']:.0f} s, trained {nc['training_seconds']:.0f} s"
+                         f"{off}) | {nanochat_label(shape, nc)} | {nc['steps']} | "
+                         f"{(nc.get('tokens') or nc['steps'] * nc['tokens_per_step']) / 1e6:.2f} | "
+                         f"{nc['tokens_per_second']:,.0f} | {nc.get('first_step_dt_s') or 0:.1f} | {mfu} | "
+                         f"{r['nanochat_bpb'][shape]:.4f} | {'–' if shape == first else f'{change:+.1f} %'} |")
+        kit = r["kit"]
+        change = 100 * (r["kit_bpb"] - r["nanochat_bpb"][first]) / r["nanochat_bpb"][first]
+        lines.append(f"| {r['multiple']:g}x (trained {kit.get('training_seconds', 0):.0f} s) | kit `--preset cpu` "
+                     f"(rows of {kit.get('seq_len', '?')}, {kit['compute_dtype']}) | {kit['num_steps']} | "
+                     f"{kit['tokens'] / 1e6:.2f} | {kit['tokens_per_second']:,.0f} | "
+                     f"{kit['first_step_seconds']:.1f} | {kit['mfu_percent']:.1f} % | {r['kit_bpb']:.4f} | "
+                     f"{change:+.1f} % |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nanochat", required=True, help="a nanochat snapshot (nanochat-<commit>.tar.gz)")
-    parser.add_argument("--text", required=True, help="a folder of .txt/.jsonl/.parquet files")
+    parser.add_argument("--text", required=True, help="a folder of .txt, .jsonl or .parquet files (a `text` column)")
     parser.add_argument("--work", required=True, help="the work folder (data, nanochat, runs, scores, table.md)")
     parser.add_argument("--seconds", type=float, required=True, help="nanochat's training seconds at 1x")
     parser.add_argument("--multiples", default="1", help="comma-separated multiples of --seconds (default 1)")
+    parser.add_argument("--nanochat-shapes", default="defaults",
+                        help=f"comma-separated, of {', '.join(NANOCHAT_SHAPES)} (default: defaults); the kit gets the "
+                             "first one's training seconds")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens scored (default: the official count)")
     args = parser.parse_args(argv)
     try:
@@ -140,6 +231,12 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"side_by_side: error: --seconds and --multiples must be positive numbers, got {args.seconds}, "
               f"{args.multiples}", file=sys.stderr)
+        return 1
+    args.nanochat_shapes = [s for s in args.nanochat_shapes.split(",") if s]
+    unknown = [s for s in args.nanochat_shapes if s not in NANOCHAT_SHAPES]
+    if unknown or not args.nanochat_shapes:
+        print(f"side_by_side: error: --nanochat-shapes: unknown {unknown}; the shapes are {', '.join(NANOCHAT_SHAPES)}",
+              file=sys.stderr)
         return 1
     try:
         rows = side_by_side(args)
