@@ -187,8 +187,7 @@ def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int | N
     return windows[:-1] + [None]  # the last layer sees everything
 
 
-# The ops a kernel may replace: plain PyTorch here. At set-up, each --nki-* flag binds its NKI kernel in
-# place of one of them (KERNEL_OPS, under the banner below), so the model calls norm(x) whatever runs it.
+# The ops a kernel may replace, plain PyTorch: each --nki-* flag binds its kernel in place of one (KERNEL_OPS, below).
 
 def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without a learned scale (--nki-rmsnorm: kernels/rmsnorm.py)."""
@@ -220,14 +219,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def autocast_context(device_type: str, dtype: torch.dtype | None):
-    """Matmuls in `dtype`; None or fp32: as they are, with no autocast at all (the meta device has none, and a
-    CPU's autocast refuses fp32 with a warning)."""
+    """Matmuls in `dtype`; None or fp32: no autocast (the meta device has none; a CPU's warns at fp32)."""
     return contextlib.nullcontext() if dtype in (None, torch.float32) else torch.autocast(device_type, dtype=dtype)
 
 
 def uses_flex_attention(device: torch.device) -> bool:
-    """Whether window layers run FlexAttention: on CUDA inside torch.compile, one kernel that skips the blocks outside
-    the window (a dense mask rules out SDPA's flash kernels); elsewhere the same window is a dense mask for SDPA."""
+    """Whether window layers run FlexAttention (CUDA, compiled: it skips blocks outside the window), not masked SDPA."""
     return device.type == "cuda" and torch.compiler.is_compiling()
 
 
@@ -243,10 +240,10 @@ class CausalSelfAttention(nn.Module):
         self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.c_k = nn.Linear(config.n_embd, config.kv_width, bias=False)
         self.c_v = nn.Linear(config.n_embd, config.kv_width, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         # value embedding: a gate per key/value head, read from the first channels of the layer's input
         self.ve_gate = nn.Linear(min(VALUE_EMBED_GATE_CHANNELS, config.n_embd), config.n_kv_head, bias=False) \
             if value_embed else None
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)  # declared last: it starts at zero
 
     def forward(self, x, cos, sin, mask=None, ve=None):
         """mask: [B, 1, T, T] bool, True where a query may attend; None: causal. ve: this layer's value
@@ -300,7 +297,6 @@ class GPT(nn.Module):
         # Per-layer mix of the residual stream and the (normed) embedding x0, as in nanochat.
         self.resid_lambdas = nn.Parameter(torch.ones(L))
         self.x0_lambdas = nn.Parameter(torch.full((L,), 0.1))
-        # The ingredients: each exists only when its flag is on, so the baseline keeps the organisers' parameters.
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, config.kv_width) for i in config.value_embed_layers})
         # Rotary tables cover the training context and the scorer's evaluation context.
         cos, sin = rotary_tables(max(config.sequence_len, EVAL_SEQ_LEN), C // config.n_head, config.rope_base)
@@ -313,13 +309,11 @@ class GPT(nn.Module):
         """nanochat's init, by what each weight is, in nanochat's order (the token embedding, the head, then the rest as
         declared); a weight two modules share is drawn once, by the first (a tied head keeps the embedding's). The
         token embedding: normal, std 1. A head, any Linear to the vocabulary (a second head too): normal, std 0.001.
-        The Linear each branch of a block (attention, MLP, one of yours) declares last, which writes to the residual
-        stream, and a value-embedding gate: zero (each block starts as the identity). Any other Linear or Embedding:
-        uniform in +-sqrt(3 / width). Scalars keep their values; a rule of your own is one more branch below."""
-        bound, writers, drawn = 3**0.5 * self.config.n_embd**-0.5, set(), set()
-        for block in self.blocks:
-            for branch in block.children():
-                writers.update([m for m in branch.modules() if isinstance(m, nn.Linear)][-1:])
+        The Linear that writes to the residual stream, the last one each branch of a block (attention, MLP, one of
+        yours) applies, and a value-embedding gate: zero (each block starts as the identity). Any other Linear or
+        Embedding: uniform in +-sqrt(3 / width). Scalars keep their values; a rule of yours is one more branch below."""
+        bound, drawn = 3**0.5 * self.config.n_embd**-0.5, set()
+        writers = forward_on_meta(self.config, type(self)).writers
         for name, module in [("wte", self.wte), ("lm_head", self.lm_head), *self.named_modules()]:
             weight = getattr(module, "weight", None)
             if not isinstance(weight, nn.Parameter) or id(weight) in drawn:
@@ -329,7 +323,7 @@ class GPT(nn.Module):
                 nn.init.normal_(weight, std=1.0)
             elif isinstance(module, nn.Linear) and module.out_features == self.config.vocab_size:
                 nn.init.normal_(weight, std=0.001)
-            elif module in writers or name.endswith("ve_gate"):
+            elif name in writers or name.endswith("ve_gate"):
                 nn.init.zeros_(weight)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.uniform_(weight, -bound, bound)
@@ -368,8 +362,7 @@ class GPT(nn.Module):
         return softcap(logits, cap) if logits.requires_grad else logits.div_(cap).tanh_().mul_(cap)
 
     def layer_masks(self, T: int, positions: torch.Tensor | None, attn_mask: torch.Tensor | None) -> list:
-        """Each layer's attention mask: the caller's (None: causal), limited in a window layer to keys less than the
-        window behind the query by rotary position (in a packed row, each sequence keeps its own distances)."""
+        """Each layer's mask: the caller's (None: causal), in a window layer within the window by rotary position."""
         windows = self.config.windows
         if all(w is None for w in windows):
             return [attn_mask] * len(windows)
@@ -398,15 +391,14 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def training_loss(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
-    """What training minimises, from the head's logits [B, T, V]: the mean cross-entropy of the softcapped logits,
-    in fp32. An auxiliary term goes here (--nki-softcap-ce refuses a loss that is no longer exactly this)."""
+    """What training minimises: the softcapped logits' mean cross-entropy, in fp32. An auxiliary term goes here
+    (--nki-softcap-ce then refuses the loss, which its kernel no longer computes)."""
     logits = softcap(logits.float(), cap)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", init: bool = True) -> GPT:
-    """The GPT on `device`, initialised (init) or left for a state dict, its forward autocast to the compute dtype
-    (`dtype` as --dtype). Training, load_for_eval, tools, benchmarks and tests all build it here."""
+    """The GPT on `device`, initialised or left for a state dict, autocast to the compute dtype; every caller's way."""
     model = GPT(config).to(device)
     if init:
         model.init_weights()
@@ -492,10 +484,9 @@ def update_groups(work: list[dict], hyper: list[dict]) -> None:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """The update rule, from each parameter's value and gradient alone: groups of kind 'muon' hold same-shaped
-    matrices, updated together; groups of kind 'adamw' the rest. Under torchrun DataParallelOptimizer (under the
-    banner below) wraps it, averaging the gradients and handing it this rank's share. The per-step values
-    (SCHEDULED) are plain numbers in each param group (`group["lr"] = ...`, as in nanochat), copied each step
+    """The update rule, from each parameter's value and gradient alone: groups of kind 'muon' hold same-shaped matrices,
+    updated together, 'adamw' the rest. Under torchrun DataParallelOptimizer (below the banner) wraps it. The per-step
+    values (SCHEDULED) are plain numbers in each param group (`group["lr"] = ...`, as in nanochat), copied each step
     into 0-D device tensors: a new value is data, never a new graph."""
 
     SCHEDULED = ("lr", "momentum", "weight_decay")
@@ -627,8 +618,7 @@ def training_batches(recipe: Recipe, tokenizer, batch_size: int, device: torch.d
 
 # ---- Training: one step, and the loop --------------------------------------------------------------------------------
 def train_step(model: nn.Module, optimizer, batches, grad_accum_steps: int):
-    """One optimizer step over grad_accum_steps micro-batches from `batches`: (the mean loss on this rank as a
-    tensor, the loader state of the last batch)."""
+    """One optimizer step over grad_accum_steps micro-batches: (this rank's mean loss, the last loader state)."""
     loss_sum = None
     for _ in range(grad_accum_steps):
         x, y, state = next(batches)
@@ -641,8 +631,7 @@ def train_step(model: nn.Module, optimizer, batches, grad_accum_steps: int):
 
 
 def train(recipe: Recipe, run: Run) -> None:
-    """Train for the budget, then save out_dir/final.pt and score public_val. `run` is the bookkeeping around the
-    loop (the machinery): resuming, the budget clock, progress lines, snapshots, the stop rule, the summary."""
+    """Train for the budget, save out_dir/final.pt, score public_val; `run` is the bookkeeping around the loop."""
     model = build_model(model_config(recipe, run.tokenizer.get_vocab_size()), run.device, recipe.dtype)
     optimizer = build_optimizer(model, recipe, run.options, model.compute_dtype, run.profile.compile_backend,
                                 run.geometry.grad_accum_steps)
@@ -1154,7 +1143,7 @@ def setup_kernels(options: RunOptions, device_type: str, config: GPTConfig) -> N
         same = [f"--{flag.replace('_', '-')}" for flag in on if KERNEL_OPS[flag] == op]
         if len(same) > 1:
             raise SystemExit(f"error: {' and '.join(same)} both replace {op}(); one op takes one kernel: drop one")
-    called = forward_on_meta(config)[1]
+    called = forward_on_meta(config).ops
     for flag in on:
         if KERNEL_OPS[flag] not in called:
             raise SystemExit(f"error: --{flag.replace('_', '-')} replaces {KERNEL_OPS[flag]}(), which this model "
@@ -1182,8 +1171,7 @@ def bind_kernels(options: RunOptions) -> None:  # setup_kernels checks first
 
 
 # ---- Data parallelism and ZeRO-1: the gradients averaged over ranks, the update sharded ------------------------------
-# A bucket is `parts` equal chunks (the world size when sharded, else 1), chunk r holding what rank r owns: one
-# reduce-scatter hands each rank its summed gradients, one all-gather returns every updated weight.
+# A bucket: `parts` equal chunks (world size, sharded), chunk r what rank r owns: a reduce-scatter, then an all-gather.
 SHARD_MAX_PADDING = 1 / 8  # matrices are indivisible, and padding is sent like data
 # A parameter's place from `offset`: whole in chunk `owner` (a Muon matrix), or (owner None) slice r in chunk r.
 Slot = collections.namedtuple("Slot", "owner offset size")
@@ -1260,8 +1248,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class DataParallelOptimizer:
     """MuonAdamW under data parallelism: the gradients averaged over ranks (each bucket sent once the last backward
     has filled it) and, sharded (ZeRO-1), each rank updating only its own Muon matrices and its slice of the rest."""
-
-    SCHEDULED = MuonAdamW.SCHEDULED
 
     def __init__(self, param_groups: list[dict], rank: int = 0, world_size: int = 1, shard: bool = False,
                  ready_order: list[torch.Tensor] | None = None, bucket_bytes: int = 25 * 2**20,
@@ -1400,16 +1386,23 @@ class DataParallelOptimizer:
         return part.view_as(p) if slot.owner is not None else part
 
 
-def forward_on_meta(config: GPTConfig, model_class: type = GPT) -> tuple[list[str], set[str]]:
-    """One training forward (tokens and targets) of a model on the meta device, no memory and no arithmetic: (the
-    names of its parameters in the order the forward first uses them, the ops of KERNEL_OPS it calls)."""
+ForwardTrace = collections.namedtuple("ForwardTrace", "first_use ops writers")
+HOST_READS = {"item": 0, "tolist": [], "__bool__": False, "__float__": 0.0, "__int__": 0, "__index__": 0}
+
+
+def forward_on_meta(config: GPTConfig, model_class: type = GPT) -> ForwardTrace:
+    """A training forward on the meta device (no memory, no arithmetic; a read sees HOST_READS): its parameters' names
+    by first use, the KERNEL_OPS it calls, the Linears that write to the residual stream (each block branch's last)."""
     with torch.device("meta"):
         twin = model_class(config)
-    names, first_use = {id(p): name for name, p in twin.named_parameters()}, {}
-    originals, called = {op: globals()[op] for op in KERNEL_OPS.values()}, set()
+    names, modules = {id(p): name for name, p in twin.named_parameters()}, {m: n for n, m in twin.named_modules()}
+    originals = {op: globals()[op] for op in KERNEL_OPS.values()}
+    first_use, called, applied, writers = {}, set(), [], set()
 
     class RecordUse(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in HOST_READS:
+                return HOST_READS[func.__name__]
             for a in tree_leaves((args, kwargs)):
                 if id(a) in names:
                     first_use.setdefault(names[id(a)], len(first_use))
@@ -1419,6 +1412,15 @@ def forward_on_meta(config: GPTConfig, model_class: type = GPT) -> tuple[list[st
         called.add(op)
         return originals[op](*args, **kwargs)
 
+    def branch_done(branch, args, output):  # the last Linear it applied writes to the residual stream
+        writers.update([n for n in applied if f"{n}.".startswith(f"{modules[branch]}.")][-1:])
+
+    for m in modules:
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda m, args, output: applied.append(modules[m]))
+    for block in twin.blocks:
+        for branch in block.children():
+            branch.register_forward_hook(branch_done)
     globals().update({op: functools.partial(call, op) for op in originals})
     try:
         tokens = torch.zeros(1, 2, dtype=torch.long, device="meta")
@@ -1426,12 +1428,12 @@ def forward_on_meta(config: GPTConfig, model_class: type = GPT) -> tuple[list[st
             twin(tokens, tokens)
     finally:
         globals().update(originals)
-    return list(first_use), called
+    return ForwardTrace(list(first_use), called, writers)
 
 
 def gradient_ready_order(model: nn.Module) -> list[torch.Tensor]:
     """The parameters in the order the backward completes their gradients: the reverse of first use in a forward."""
-    first_use, params = forward_on_meta(model.config, type(model))[0], dict(model.named_parameters())
+    first_use, params = forward_on_meta(model.config, type(model)).first_use, dict(model.named_parameters())
     return [params[name] for name in reversed(first_use)] + [p for n, p in params.items() if n not in first_use]
 
 
@@ -1518,9 +1520,8 @@ class BatchGeometry:
 
 
 def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> BatchGeometry:
-    """The recipe's total batch and seq_len never change; the device batch shrinks to the largest value not above
-    the one asked for such that device batch x seq_len x world size divides the total batch (each at least 1: Recipe
-    checks them)."""
+    """The recipe's total batch and seq_len never change; the device batch shrinks to the largest value not above the
+    one asked for such that device batch x seq_len x world size divides the total batch (Recipe checks each >= 1)."""
     row_tokens = seq_len * world_size  # one row on every rank
     if total_batch_size % row_tokens:
         below, above = row_tokens * (total_batch_size // row_tokens), row_tokens * -(-total_batch_size // row_tokens)
@@ -1648,13 +1649,10 @@ class Tee:
 
 def json_value(value):
     """A summary value as JSON: a number or a boolean where it is one, else its text."""
-    text = str(value)
-    if text in ("True", "False"):
-        return text == "True"
     try:
-        return int(text) if text.lstrip("-").isdigit() else float(text)
+        return json.loads({"True": "true", "False": "false", "nan": "NaN"}.get(str(value), str(value)))
     except ValueError:
-        return text
+        return str(value)
 
 
 def write_run_folder(out_dir: Path, summary: dict, metrics: list[dict], training_seconds: float, budget: float):
@@ -1817,8 +1815,8 @@ class RunOptions:
                             "log_every": AT_LEAST_1})
 
 
-# The organisers' spellings of three flags, and the variables that set a field (two set must agree): theirs, and
-# the FRONTIER_* ones prepare.py reads. Precedence, lowest first: defaults, --preset, environment, command line.
+# The organisers' flags, and the variables that set a field (theirs, prepare.py's FRONTIER_*; two set must agree).
+# Precedence, lowest first: defaults, --preset, environment, command line.
 OFFICIAL_FLAG_NAMES = {"max_steps": "--num-steps", "time_budget": "--max-train-seconds", "device": "--device-type"}
 ENVIRONMENT = {"max_steps": ("NEURON_COMPETITION_R1_NUM_STEPS",),
                "time_budget": ("NEURON_COMPETITION_R1_MAX_TRAIN_SECONDS",),
@@ -1891,8 +1889,7 @@ def field_comments(kind) -> dict[str, str]:
 
 
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
-    """--preset and a flag for every Recipe, Architecture and RunOptions field (and the official spellings); the
-    help of each is its comment, with its default, or the preset's value."""
+    """--preset and a flag per Recipe, Architecture and RunOptions field, its help its comment and default."""
     parser = argparse.ArgumentParser(usage="python train.py [--preset NAME] [--flag VALUE ...]", allow_abbrev=False,
                                      description="Train the GPT of this file for the time budget; `--preset NAME "
                                      "--help` shows what a preset sets.")

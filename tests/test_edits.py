@@ -53,13 +53,13 @@ class SecondHead(T.GPT):
 
 
 class SwiGLU(nn.Module):
-    """An MLP whose output projection has a name of its own (w_out, not c_proj)."""
+    """An MLP whose output projection has a name of its own (w_out, not c_proj), declared first."""
 
     def __init__(self, config):
         super().__init__()
+        self.w_out = nn.Linear(2 * config.n_embd, config.n_embd, bias=False)
         self.w_gate = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)
         self.w_up = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)
-        self.w_out = nn.Linear(2 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
         return self.w_out(F.silu(self.w_gate(x)) * self.w_up(x))
@@ -100,6 +100,8 @@ def test_a_branch_writes_to_the_residual_stream_from_zero_whatever_its_names(mon
     for block in model.blocks:
         assert not block.mlp.w_out.weight.any() and not block.attn.c_proj.weight.any()
         assert block.mlp.w_gate.weight.std() > 0.01 and block.mlp.w_up.weight.std() > 0.01
+    assert T.forward_on_meta(model.config).writers == {f"blocks.{i}.{part}" for i in range(2)
+                                                       for part in ("attn.c_proj", "mlp.w_out")}
 
 
 def matmul_flops_per_token(model: T.GPT, tokens: int = 16) -> float:

@@ -431,7 +431,7 @@ def test_a_kernel_flag_whose_op_the_model_never_calls_is_one_clear_error(kit, mo
     monkeypatch.setattr(kit.train.MLP, "forward", swiglu)
     with pytest.raises(SystemExit, match=r"--nki-relu2 replaces relu_squared\(\), which this model never calls"):
         kit.train.setup_kernels(T.RunOptions(nki_relu2=True), "neuron", CONFIG)
-    assert kit.train.forward_on_meta(CONFIG)[1] == {"norm", "rope_qknorm", "training_loss"}
+    assert kit.train.forward_on_meta(CONFIG).ops == {"norm", "rope_qknorm", "training_loss"}
     assert bound(kit.train, plain) == set()
 
 

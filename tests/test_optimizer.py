@@ -29,7 +29,7 @@ def set_gradients(model: T.GPT, seed: int) -> None:
 
 
 def hyperparameters(optimizer: T.MuonAdamW) -> list[list[float]]:
-    return [[float(group[k]) for k in optimizer.SCHEDULED if k in group] for group in optimizer.param_groups]
+    return [[float(group[k]) for k in T.MuonAdamW.SCHEDULED if k in group] for group in optimizer.param_groups]
 
 
 @pytest.mark.slow
