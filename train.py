@@ -306,23 +306,25 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """nanochat's init, by what each weight is, in nanochat's order (the token embedding, the head, then the rest as
-        declared); a weight two modules share is drawn once, by the first (a tied head keeps the embedding's). The
-        token embedding: normal, std 1. A head, any Linear to the vocabulary (a second head too): normal, std 0.001.
-        The Linear that writes to the residual stream, the last one each branch of a block (attention, MLP, one of
-        yours) applies, and a value-embedding gate: zero (each block starts as the identity). Any other Linear or
-        Embedding: uniform in +-sqrt(3 / width). Scalars keep their values; a rule of yours is one more branch below."""
-        bound, drawn = 3**0.5 * self.config.n_embd**-0.5, set()
+        """nanochat's init, by what each weight is, drawn once each in nanochat's order (the token embedding, the head,
+        then the rest as declared). A head, any Linear to the vocabulary (a second head, one tied to the embedding):
+        normal, std 0.001. The token embedding: normal, std 1 (tied, the head's wins: the forward norms the embedding,
+        and a unit-normal head starts past the divergence guard). The Linear that writes to the residual stream, the
+        last each branch of a block (attention, MLP, one of yours) applies, and a value-embedding gate: zero (each
+        block starts as the identity). Any other Linear or Embedding: uniform in +-sqrt(3 / width). Scalars keep
+        their values; a rule of yours is one more branch below."""
+        bound, drawn, V = 3**0.5 * self.config.n_embd**-0.5, set(), self.config.vocab_size
         writers = forward_on_meta(self.config, type(self)).writers
+        heads = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear) and m.out_features == V}
         for name, module in [("wte", self.wte), ("lm_head", self.lm_head), *self.named_modules()]:
             weight = getattr(module, "weight", None)
             if not isinstance(weight, nn.Parameter) or id(weight) in drawn:
                 continue
             drawn.add(id(weight))
-            if module is self.wte:
-                nn.init.normal_(weight, std=1.0)
-            elif isinstance(module, nn.Linear) and module.out_features == self.config.vocab_size:
+            if id(weight) in heads:
                 nn.init.normal_(weight, std=0.001)
+            elif module is self.wte:
+                nn.init.normal_(weight, std=1.0)
             elif name in writers or name.endswith("ve_gate"):
                 nn.init.zeros_(weight)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
@@ -685,7 +687,7 @@ class Run:
         self.device, self.rank, self.world_size = device, rank, world_size
         self.geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, world_size)
         self.tokenizer = ensure_tokenizer()
-        self.state, self.step_times, self.metrics = RunState(), [], []
+        self.state, self.step_times, self.metrics, self.first_loss = RunState(), [], [], 0.0
 
     def mfu_percent(self, tokens_per_second: float) -> float:
         return 100 * self.flops_per_token * tokens_per_second / (self.profile.peak_flops * self.world_size)
@@ -738,10 +740,10 @@ class Run:
         stop = out_of_time(charged, self.step_times, self.snapshot_seconds if snapshot_due else 0.0,
                            self.training_seconds) or 0 < self.recipe.max_steps <= state.step + 1
         loss_value, stop = agree_across_ranks(loss, stop, self.world_size)
-        uniform = math.log(self.model.config.vocab_size)
-        if not math.isfinite(loss_value) or loss_value > 2 * uniform:
-            raise TrainingDiverged(f"training diverged at step {state.step}: loss {loss_value} (uniform guessing: "
-                                   f"{uniform:.2f}); no checkpoint written: lower the learning rates, or undo an edit")
+        self.first_loss = self.first_loss or loss_value  # a loss of any make diverges from where it started
+        if not math.isfinite(loss_value) or loss_value > 2 * self.first_loss:
+            raise TrainingDiverged(f"training diverged at step {state.step}: loss {loss_value}, over twice the first "
+                                   f"step's {self.first_loss:.2f}; no checkpoint written: lower the learning rates")
         state.smooth_loss = 0.9 * state.smooth_loss + 0.1 * loss_value
         if self.rank == 0 and (len(self.step_times) <= 5 or state.step % options.log_every == 0 or stop):
             tok_per_sec, smooth = self.recipe.total_batch_size / dt, state.smooth_loss / (1 - 0.9 ** (state.step + 1))

@@ -44,25 +44,25 @@ def test_the_scorers_forwards_are_one_graph_each():
 
 
 def test_a_graph_break_in_the_model_is_an_error_that_names_the_line(monkeypatch):
-    original = T.relu_squared
+    original = T.norm  # an op every model calls
 
-    def relu2_with_a_host_branch(x):
+    def norm_with_a_host_branch(x):
         if float(x.max()) > 1e9:  # data-dependent Python control flow: a graph break
             pass
         return original(x)
 
-    monkeypatch.setattr(T, "relu_squared", relu2_with_a_host_branch)
+    monkeypatch.setattr(T, "norm", norm_with_a_host_branch)
     with pytest.raises(R.GraphBreak, match=r"test_graphs.py.*line \d+"):
         R.training_step_census(*R.tiny_recipe(["--depth", "2"]))
 
 
 @pytest.mark.slow
 def test_an_op_the_device_runs_on_the_host_is_listed(monkeypatch):
-    original = T.relu_squared
-    monkeypatch.setattr(T, "relu_squared", lambda x: original(x).sort(dim=-1).values)
+    original = T.norm  # an op every model calls
+    monkeypatch.setattr(T, "norm", lambda x: original(x).sort(dim=-1).values)
     census = R.training_step_census(*R.tiny_recipe(["--depth", "2"]))
     assert "aten.sort.default" in census.host_ops()
-    monkeypatch.setattr(T, "relu_squared", lambda x: F.relu(x.double()).square().to(x.dtype))
+    monkeypatch.setattr(T, "norm", lambda x: F.rms_norm(x.double(), (x.size(-1),)).to(x.dtype))
     assert any("float64" in op for op in R.training_step_census(*R.tiny_recipe(["--depth", "2"])).host_ops())
 
 
@@ -166,16 +166,16 @@ def test_a_step_reads_nothing_back_and_the_bookkeeping_reads_once_per_step(tmp_p
 
 
 def test_an_item_in_the_step_is_caught_where_it_happens(tmp_path, monkeypatch, train_main):
-    relu_squared = T.relu_squared
+    norm = T.norm  # an op every model calls
 
-    def relu_squared_that_reads(x):
+    def norm_that_reads(x):
         if x.abs().max().item() > 1e4:  # the mistake: a host read inside the step
             raise RuntimeError("activation too large")
-        return relu_squared(x)
+        return norm(x)
 
-    monkeypatch.setattr(T, "relu_squared", relu_squared_that_reads)
+    monkeypatch.setattr(T, "norm", norm_that_reads)
     reads = host_reads_of_a_run([*TINY, "--max-steps", "2", "--eval-tokens", "0", "--out-dir", str(tmp_path / "out")],
                                 monkeypatch, train_main)
     inside = reads.in_region("step")
     assert inside and {call for call, _ in inside} == {"item"}
-    assert all("test_graphs.py" in where and "relu_squared_that_reads" in where for _, where in inside)
+    assert all("test_graphs.py" in where and "norm_that_reads" in where for _, where in inside)

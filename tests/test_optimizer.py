@@ -127,10 +127,10 @@ def test_the_ready_order_is_the_order_the_backward_completes_gradients():
     """gradient_ready_order (from a forward on the meta device) against the order in which a real
     backward's post-accumulate hooks fire, on a model where every parameter gets a gradient."""
     model = tiny_model()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.mlp.c_proj.weight.normal_(0, 0.02)
-            block.attn.c_proj.weight.normal_(0, 0.02)
+    with torch.no_grad():  # what init_weights starts at zero, drawn
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(0, 0.02)
     seen = []
     hooks = [p.register_post_accumulate_grad_hook(lambda p: seen.append(p)) for p in model.parameters()]
     idx = torch.randint(0, 8000, (2, 16))
@@ -162,11 +162,11 @@ def test_a_vector_in_a_muon_row_is_the_tables_error_naming_it(monkeypatch):
     model.blocks[0].norm_scale = torch.nn.Parameter(torch.ones(model.config.n_embd))  # e.g. a learned norm weight
     kit_table = T.parameter_table
 
-    def muon_for_every_block_parameter(model, recipe, ns_dtype):
-        return [(list(model.blocks.parameters()) if rule["kind"] == "muon" else params, rule)
+    def with_the_vector_in_a_muon_row(model, recipe, ns_dtype):
+        return [(params + [model.blocks[0].norm_scale] if rule["kind"] == "muon" else params, rule)
                 for params, rule in kit_table(model, recipe, ns_dtype)]
 
-    monkeypatch.setattr(T, "parameter_table", muon_for_every_block_parameter)
+    monkeypatch.setattr(T, "parameter_table", with_the_vector_in_a_muon_row)
     with pytest.raises(ValueError, match=r"parameters \['blocks.0.norm_scale \[\d+\]'\] fall in a Muon row .* "
                                          r"give them a row of their own"):
         T.build_optimizer(model, T.Recipe())
