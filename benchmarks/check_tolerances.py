@@ -93,7 +93,7 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
             worst[kind] = max(worst[kind], r[key])
     with copy_submission(kit_copy(dtype), checkpoint) as submission:
         cli = M.evaluate_checkpoint(submission, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
-                                    max_tokens=max_tokens)
+                                    max_tokens=max_tokens, timeout_seconds=M.EVAL_TIMEOUT_SECONDS)
     return {"in_process": worst, "refused": refused, "probes": probes, "twins": twins,
             "workers": {"causality": cli["causality_max_abs_diff"], "replay": cli["replay_max_abs_diff"],
                         "batch_size": cli["batch_size_max_abs_diff"], "probes": cli["probes"], "twins": cli["twins"]}}
@@ -267,6 +267,7 @@ def main():
     args = parser.parse_args()
     if args.probes:  # every row probed as often as it takes, at as many cut positions
         M.PROBE_FRACTION = args.probes / (args.max_tokens // prepare.EVAL_SEQ_LEN)
+        M.EVAL_TIMEOUT_SECONDS = 24 * 3600  # an official run's probes on a CPU take longer than the scorer's limit
     global DEVICE
     DEVICE = args.device
     checkpoint = args.checkpoint or save_random_checkpoint("cpu", random_projections=True)
