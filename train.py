@@ -309,10 +309,10 @@ class GPT(nn.Module):
         """nanochat's init, by what each weight is, drawn once each in nanochat's order (the token embedding, the head,
         then the rest as declared). A head, any Linear to the vocabulary (a second head, one tied to the embedding):
         normal, std 0.001. The token embedding: normal, std 1 (tied, the head's wins: the forward norms the embedding,
-        and a unit-normal head starts past the divergence guard). The Linear that writes to the residual stream, the
-        last each branch of a block (attention, MLP, one of yours) applies, and a value-embedding gate: zero (each
-        block starts as the identity). Any other Linear or Embedding: uniform in +-sqrt(3 / width). Scalars keep
-        their values; a rule of yours is one more branch below."""
+        and a unit-normal head starts at twice uniform guessing's loss). The Linear that writes to the residual
+        stream, the last each branch of a block (attention, MLP, one of yours) applies, and a value-embedding gate:
+        zero (each block starts as the identity). Any other Linear or Embedding: uniform in +-sqrt(3 / width).
+        Scalars keep their values; a rule of yours is one more branch below."""
         bound, drawn, V = 3**0.5 * self.config.n_embd**-0.5, set(), self.config.vocab_size
         writers = forward_on_meta(self.config, type(self)).writers
         heads = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear) and m.out_features == V}
@@ -400,7 +400,7 @@ def training_loss(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> to
 
 
 def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", init: bool = True) -> GPT:
-    """The GPT on `device`, initialised or left for a state dict, autocast to the compute dtype; every caller's way."""
+    """The GPT on `device`, initialised or left for a state dict, autocast to the compute dtype: how all build it."""
     model = GPT(config).to(device)
     if init:
         model.init_weights()
@@ -954,11 +954,10 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     if device.type == "neuron":
-        try:
+        with contextlib.suppress(Exception):  # a torch-neuronx without it: not known
             import torch_neuronx
             return torch_neuronx.max_memory_allocated() / 2**20
-        except Exception:
-            return float("nan")
+        return float("nan")
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process's peak RSS
 
@@ -1102,8 +1101,9 @@ def relu_squared_nki(x: torch.Tensor) -> torch.Tensor:
     """relu(x)^2 as the kernel pair where x fits it (pick_kernel); elsewhere the reference."""
     fits = x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] <= RELU2_MAX_WIDTH
     why = f"shape {tuple(x.shape)} {x.dtype} does not fit (width <= {RELU2_MAX_WIDTH}, bf16/fp32)"
-    return ReLUSquared.apply(x) if pick_kernel("relu2", x, fits, why, x.numel() // x.shape[-1]) else \
-        relu2_forward_reference(x)
+    if pick_kernel("relu2", x, fits, why, x.numel() // x.shape[-1]):
+        return ReLUSquared.apply(x)
+    return relu2_forward_reference(x)
 
 
 # --nki-* flag (a RunOptions field) -> the recipe's function it replaces; setup_kernels binds the kernel there.

@@ -85,7 +85,7 @@ def built(kind=T.GPT, *argv) -> T.GPT:
 
 def test_a_tied_head_gets_the_heads_init_and_starts_where_an_untied_one_does():
     """The rule names the winner: the head's std 0.001 (the forward norms the embedding). A unit-normal head would
-    start at about twice the loss, where the divergence guard stops a run."""
+    start at about twice the loss of uniform guessing."""
     model = built(TiedHead)
     assert model.lm_head.weight is model.wte.weight and 0.0005 < model.wte.weight.std() < 0.002
     idx = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
