@@ -148,7 +148,7 @@ class GPTConfig(Architecture):
     def __post_init__(self):
         check_values(self, dict.fromkeys(("logit_softcap", "rope_base"), (lambda v: v > 0, "positive")))
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"n_embd={self.n_embd} must split into {self.n_head} heads of even size (even --head-dim)")
+            raise ValueError(f"n_embd={self.n_embd} is not {self.n_head} heads of even size (an even --head-dim)")
         self.n_kv_head = self.n_kv_head or self.n_head
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             raise ValueError(f"--n-kv-head {self.n_kv_head}: must divide the {self.n_head} query heads (0: as many)")
