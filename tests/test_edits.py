@@ -136,8 +136,8 @@ def test_a_parameter_in_two_rows_is_the_tables_error_naming_it(monkeypatch):
     kit_table = T.parameter_table
 
     def with_a_head_row(model, recipe, ns_dtype):  # as the kit ships it, or again after a tied edit dropped it
-        return kit_table(model, recipe, ns_dtype) + [([model.lm_head.weight], dict(kind="adamw", lr=0.004,
-                                                                                    betas=(0.8, 0.95), eps=1e-10))]
+        rule = dict(kind="adamw", lr=recipe.unembedding_lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+        return kit_table(model, recipe, ns_dtype) + [([model.lm_head.weight], rule)]
 
     monkeypatch.setattr(T, "parameter_table", with_a_head_row)
     with pytest.raises(ValueError, match=r"parameters \['wte.weight = lm_head.weight'\] are in more than one row "
