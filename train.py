@@ -404,7 +404,7 @@ def build_model(config: GPTConfig, device="cpu", dtype: str = "auto", init: bool
     model = GPT(config).to(device)
     if init:
         model.init_weights()
-    # declared, fp32 included: the harness holds a model to its dtype's tolerances (an undeclared one gets bf16's)
+    # what forward() autocasts to, fp32 named too: inference.py sizes its packed-row probe's tolerance by it
     model.compute_dtype = compute_dtype_for(torch.device(device).type, dtype) or torch.float32
     return model
 
