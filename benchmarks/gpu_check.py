@@ -473,7 +473,7 @@ class Check:
         checkpoint = self.d10_checkpoint()
         small = ["--secrets", "1", "--examples", "1", "--bias-runs", "20", "--max-tokens", "2048"]
         cmd = [sys.executable, "benchmarks/check_tolerances.py", "--checkpoint", str(checkpoint), "--dtypes", "bf16",
-               "--device", self.device, "--probes", "64" if self.rehearsal else "3414",
+               "--device", self.device, "--probes", "16" if self.rehearsal else "3414",
                *(small if self.rehearsal else ["--secrets", "3", "--examples", "4", "--max-tokens", "262144"])]
         rc, text = self.run("tolerances", cmd, self.remaining())
         if rc != 0:

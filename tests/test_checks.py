@@ -405,34 +405,31 @@ def near_tie_flipper(folder: Path, bundle_dir: Path, tokenizer, max_len: int, fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch,
-                                                            dtype):
+def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch):
     """The issue's forger: an inference.py that knows the bundle flips 14 near-ties per task to the gold
     answer, each within every tolerance and the decision allowance, and leans away from gold elsewhere
     so that the answers' sign test reads like coins. Unverified it gains CORE; the uniform sample alone
     (8 of each task's 64 examples: the control) lets it through. With the claimed near-ties verified
     (all of them, up to 128 a task) the decisions' sign test sees every flip (28 towards the gold
-    answers), whatever the model computes in (the allowance is the same for every model). The honest
-    scorer passes under 4 secrets."""
+    answers). In bf16, where an honest model's decisions may differ: the allowance is the same for every
+    model, so fp32 tests nothing more. The honest scorer passes under 4 secrets."""
     flips = 14
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     import inference
     from harness.core import scoring
-    model, tok = kit_model(tiny_checkpoint, DTYPES[dtype]), prepare.ensure_tokenizer()
+    model, tok = kit_model(tiny_checkpoint, torch.bfloat16), prepare.ensure_tokenizer()
     bundle_dir = make_bundle(tmp_path, NEAR_TIE_CHOICE_TASKS, make_near_tie_examples)
     bundle = bundle_from_dir(bundle_dir)
     tasks = load_tasks(bundle)
     examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
     forged = load_participant_module(str(near_tie_flipper(tmp_path, bundle_dir, tok, int(model.cos.shape[1]), flips,
-                                                          0.002)), f"flips_near_ties_{dtype}")
+                                                          0.002)), "flips_near_ties")
 
     def core(scorer):
         scorer.flipped = {}
         return evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None)
 
-    slow_bf16 = dtype == "bf16" and bf16_matmuls_are_slow()
-    with bf16_linears_on_the_fp32_gemm() if slow_bf16 else contextlib.nullcontext():
+    with bf16_linears_on_the_fp32_gemm() if bf16_matmuls_are_slow() else contextlib.nullcontext():
         honest, _ = core(inference.Scorer(model, torch.device("cpu")))
         for _ in range(4):
             _, samples = core(inference.Scorer(model, torch.device("cpu")))

@@ -62,7 +62,7 @@ def test_the_rehearsal_runs_every_stage_and_reports_every_field(tmp_path, text_d
     assert stages["attention"]["flex_vs_dense_max_abs_diff"] < 1e-4
     lines = stages["tolerances"]["lines"]
     assert any(line.startswith("CORE, inference.py vs trusted path") for line in lines)
-    assert any(line.startswith("val_bpb, in process, 1 secrets (64 probes") and "refused 0" in line for line in lines)
+    assert any(line.startswith("val_bpb, in process, 1 secrets (16 probes") and "refused 0" in line for line in lines)
     table = path.with_suffix(".md").read_text()
     assert "| kit d10" in table and "| kit --preset gpu" in table and "CORE-shaped bundle" in table
     assert "| CPU (rehearsal) |" in table and "Sandbox parts on CPU (rehearsal)" in table
