@@ -198,29 +198,28 @@ def stage_attention(device: str, rehearsal: bool) -> dict:
 # and "seccomp", and started under "seccomp-sockets-allowed"): Landlock without its abstract-socket scope, with
 # its file rules only (ABI 3), with /tmp, /dev/shm and /run writable, with the write rule on the process's own
 # /proc/<pid>/task (the driver names its threads there); the seccomp filter without its socket refusals or
-# without its list of refused calls; and every part after the device was found (detect_device_type), after it
-# was started (worker_side.start_device), with the thread-names rule, and with both: "worker", what the worker
-# does. Where "worker" fails, the others name the rule that is missing.
+# without its list of refused calls; every part, with and without the thread-names rule; and "worker":
+# worker_side.enter_sandbox itself (the device started after Landlock, before the seccomp filter). Where
+# "worker" fails, the others name the rule that is missing.
 SANDBOX_PARTS = ("none", "rlimits", "noatime", "capabilities", "landlock", "landlock-no-socket-scope",
                  "landlock-files-only", "landlock-plus-tmp-shm-run", "landlock-thread-names", "seccomp",
-                 "seccomp-sockets-allowed", "seccomp-no-denied-calls", "all", "all-device-found-first",
-                 "all-device-started-first", "all-thread-names", "worker")
+                 "seccomp-sockets-allowed", "seccomp-no-denied-calls", "all", "all-thread-names", "worker")
 SANDBOX_PROBE = r"""
 import copy, os, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
-from harness.worker import limits, sandbox
+from harness.worker import limits, sandbox, worker_side
 import torch  # before the sandbox, as the worker does
 part, device = sys.argv[1], sys.argv[2]
 try:
-    thread_names = part in ("landlock-thread-names", "all-thread-names", "worker")
-    if part == "all-device-found-first":
-        from harness.common import detect_device_type
-        detect_device_type()
-    if part in ("all-device-started-first", "worker"):
-        from harness.worker.worker_side import start_device
-        start_device(torch.device(device))
-    if part.startswith("all") or part == "worker":
+    thread_names = part in ("landlock-thread-names", "all-thread-names")
+    if part == "worker":
+        limits.apply_rlimits(limits.worker_rlimits(limits.worker_limits()))
+        rules = sandbox.worker_rules(Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp()))
+        rules += [(p, "execute") for p in sys.path if os.path.isabs(p) and os.path.isdir(p)]
+        msg = {"noatime": True, "abi": sandbox.landlock_abi(), "rules": rules, "seccomp": sandbox.seccomp_arch()}
+        worker_side.enter_sandbox(msg, torch.device(device))
+    if part.startswith("all"):
         part = "all"
     if part in ("rlimits", "all"):
         limits.apply_rlimits(limits.worker_rlimits(limits.worker_limits()))
@@ -261,7 +260,8 @@ except BaseException as e:
 def stage_sandbox(device: str) -> dict:
     """Whether a fresh process that has applied one part of the worker's sandbox (harness/worker) can still use
     the device: one process per part, all at once, and one with every part in the worker's order."""
-    probes = {part: subprocess.Popen([sys.executable, "-c", SANDBOX_PROBE, part, device, str(REPO)],
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # as a worker's (harness_side.worker_environment)
+    probes = {part: subprocess.Popen([sys.executable, "-c", SANDBOX_PROBE, part, device, str(REPO)], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for part in SANDBOX_PARTS}
     result = {}

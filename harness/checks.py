@@ -39,11 +39,11 @@ def checked_log_probs(logits, index, who: str = "model(inputs)", top: int = 0):
     Exact for any finite logits: the row's maximum m is subtracted before anything is added to a
     logit, so lp = (x - m) - log(sum(exp(x - m))), where x - m is taken in float64 from the float32
     logits (exact, or off by 2^-53 of itself), and sum(exp(x - m)) lies in [1, V] (its float32 rounding
-    moves lp by ~1e-7 nats, whatever the logits). A constant row gives -ln V exactly however large the
+    moves lp by ~1e-6 nats at most, whatever the logits). A constant row gives -ln V exactly however large the
     constant; an offset added to a whole row changes nothing that the logits still carry; every
     log-prob is a finite number >= -(2 * 3.4e38 + ln V), so every difference the checks take and every
     sum the metric adds (float64) is finite, and a check never compares NaN with NaN."""
-    x = torch.as_tensor(logits)
+    x = torch.as_tensor(logits, dtype=torch.float32)  # bf16 or fp16 logits widen exactly
     lo, hi = (float(v) for v in torch.aminmax(x))
     if not (math.isfinite(lo) and math.isfinite(hi)):  # a NaN anywhere makes both NaN
         raise EvalRefused(f"{who} returned non-finite logits (NaN or inf; smallest {lo:.4g}, largest {hi:.4g}); "

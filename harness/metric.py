@@ -222,9 +222,10 @@ class _Scorer:
         count, twins = probe_counts(R)
         twins = twins if len(self.cuts) else 0
         by_slot = [self.rng.permutation(np.arange(s, R, self.B)) for s in range(min(self.B, R))]
+        slots = self.rng.permutation(len(by_slot))  # which indices get the extra probe (fewer probes than slots: any)
         probes = []
         for k in range(count):
-            pool = by_slot[k % len(by_slot)]
+            pool = by_slot[slots[k % len(by_slot)]]
             row = int(pool[(k // len(by_slot)) % len(pool)])
             cut = int(self.cuts[k % len(self.cuts)]) if k < twins else self.T
             twin = self._twin(row, cut) if k < twins else None

@@ -718,6 +718,18 @@ if os.environ.get("SUBMISSION_PROBE_CONTROL") != "1":
     cgroup_attempt("cgroup_leave", leave, lambda: open(leave, "w").write(str(os.getpid())))
     cgroup_attempt("cgroup_child", memory, lambda: os.mkdir(os.path.join(memory, "unlimited")))
     print("PROBE cgroup_folder", memory, file=sys.stderr)
+    import threading
+
+    def from_a_thread():  # a thread started now inherits the sandbox; one started before it would not
+        attempt("thread_read_file", lambda: open(SECRET).read())
+        attempt("thread_unix_socket", lambda: socket.socket(socket.AF_UNIX))
+
+    thread = threading.Thread(target=from_a_thread)
+    thread.start()
+    thread.join()
+    statuses = [open(f"/proc/self/task/{t}/status").read() for t in os.listdir("/proc/self/task")]
+    confined = all("Seccomp:\t2" in s and "NoNewPrivs:\t1" in s and "CapEff:\t0000000000000000" in s for s in statuses)
+    print("PROBE threads", "CONFINED" if confined else "OUTSIDE", len(statuses), file=sys.stderr)
 attempt("write_private", lambda: open("own.txt", "w").write("x"))
 
 
@@ -729,7 +741,7 @@ DENIED = ("read_file", "read_via_proc_root", "list_tmp", "write_tmp", "write_dev
           "sysv_shm", "sysv_msg", "posix_mq", "keyring", "xattr", "hostname", "udp_socket", "mptcp_socket",
           "io_uring", "setsid", "unshare", "read_etc_shadow", "inode_flags", "prlimit_parent", "clone_new_namespace",
           "bind_abstract", "mincore", "preadv2_nowait", "unix_datagram", "write_proc_sys", "write_sys", "write_var_tmp",
-          "list_sys_kernel", "list_usr_share")
+          "list_sys_kernel", "list_usr_share", "thread_read_file", "thread_unix_socket")
 
 
 def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, honest_runs):
@@ -753,6 +765,7 @@ def test_the_sandbox_denies_what_it_says(tmp_path, checkpoint, text_dataset, hon
     kinds = {line.split()[2]: line.split()[-1] for line in result.stderr.splitlines() if line.startswith("[worker] PROBE ")}
     assert kinds["mincore"] == kinds["prlimit_parent"] == kinds["bind_abstract"] == "PermissionError", kinds
     assert probes["metadata"] == "UNCHANGED" and probes["write_private"] == "ALLOWED" and probes["env"] == "HIDDEN"
+    assert probes["threads"] == "CONFINED"  # every thread of the worker, by what the kernel reports of each
     # the worker's own cgroup: it cannot raise its limits, move itself out, or make a child of its own
     cgroups = ("cgroup_raise_memory", "cgroup_raise_pids", "cgroup_leave", "cgroup_child")
     if kernel_caps_here():

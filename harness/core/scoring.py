@@ -49,8 +49,9 @@ VERIFY_TOKEN_TOLERANCE = 0.25
 
 def region_mean_losses(request: Request, scored) -> list[float]:
     """The mean loss over each sequence's scored region, in float64, exactly its losses' common value
-    where they are all equal (as nanochat's fp32 mean is): so a uniform model's choices tie exactly on
-    every path, and a tie goes to the first choice (nan for an empty region)."""
+    where they are all equal (a plain fp32 mean, nanochat's, is not always: n copies of ln 8192 average
+    to another float for many n): so a uniform model's choices tie exactly on every path of the harness,
+    and a tie goes to the first choice (nan for an empty region)."""
     return [mean_exact_for_equal(np.asarray(losses, dtype=np.float64)[s - 1:e - 1])
             for (losses, _), s, e in zip(scored, request.starts, request.ends)]
 

@@ -101,7 +101,7 @@ def quoted(text, limit: int = MAX_MESSAGE_CHARS) -> str:
 def worker_environment(private_dir: Path, kit_dir: Path, tokenizer_copy: Path | None = None,
                        tokenizer_sha256: str | None = None) -> dict:
     """The worker's environment: the allowed variables of the harness's (WORKER_ENV_*), the copy of
-    the kit's code on PYTHONPATH (train.py files import `prepare`), HOME, TMPDIR and every compiler
+    the kit's code on PYTHONPATH (train.py files import `prepare`), one BLAS thread for numpy, HOME, TMPDIR and every compiler
     cache in its private folder, and, when given, a private copy of the pinned tokenizer (so
     ensure_tokenizer() works there without naming any data folder)."""
     env = {k: v for k, v in os.environ.items()
@@ -112,6 +112,7 @@ def worker_environment(private_dir: Path, kit_dir: Path, tokenizer_copy: Path | 
     env["PYTHONPATH"] = os.pathsep.join([str(kit_dir)] + ([os.environ["PYTHONPATH"]]
                                                          if os.environ.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS starts its pool at import, before the sandbox (worker_side)
     env["HOME"] = str(private_dir)
     env["TMPDIR"] = str(private_dir / "tmp")
     for name, folder in CACHE_VARIABLES.items():

@@ -1,8 +1,11 @@
 """The worker's sandbox: what participant code may touch once the worker has applied it.
 
-Applied inside the worker process (worker_side.py) before any participant code is imported,
-and kept by everything the worker starts (no_new_privs; a Landlock domain and a seccomp filter
-are inherited across fork and exec and cannot be lifted):
+Applied inside the worker process (worker_side.enter_sandbox) before any participant code is
+imported, while the worker is one thread (each part binds the thread that applies it and what it
+starts later, not threads that already run; the seccomp filter goes on every thread at once), and
+kept by everything the worker starts (no_new_privs; a Landlock domain and a seccomp filter are
+inherited across clone, fork and exec and cannot be lifted); the worker then asks the kernel
+whether every thread has no_new_privs, the filter and no capability (unconfined_threads):
 
 - **A mount namespace where nothing moves an access time** (where the worker has CAP_SYS_ADMIN,
   before it drops it): every mount remounted noatime, so what the worker reads, lists or follows
@@ -184,8 +187,9 @@ def thread_names_rule() -> tuple[str, str]:
     (the driver names each thread it starts through its comm file). What else a task's files let a
     process without capabilities do touches only itself: raise its own OOM score (the harness set its
     floor), reset its own page-reference bits and scheduler statistics, set its own LSM labels where
-    the policy allows, write its own memory (as it can anyway); its user-namespace maps need a new
-    namespace, which the seccomp filter refuses. Not /proc/<pid>/ itself (its cgroup files and the rest
+    the policy allows, set its audit login uid once where none is set (what the audit log records
+    of it), write its own memory (as it can anyway: every thread is inside the sandbox); its
+    user-namespace maps need a new namespace, which the seccomp filter refuses. Not /proc/<pid>/ itself (its cgroup files and the rest
     stay read-only), and no other process's tasks. The folder is kept open for the worker's life: a
     procfs folder looked up again would be another inode, without the rule."""
     path = f"/proc/{os.getpid()}/task"
@@ -208,7 +212,7 @@ def apply_landlock(rules: list, abi: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # seccomp (include/uapi/linux/seccomp.h, filter.h, audit.h)
 # ---------------------------------------------------------------------------------------------
-PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+PR_SET_NO_NEW_PRIVS = 38
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 4, 36, 1
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
@@ -328,7 +332,13 @@ def seccomp_program(arch: str) -> bytes:
     return b"".join(prog)
 
 
+SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 1, 1
+
+
 def apply_seccomp(arch: str) -> None:
+    """The filter on every thread of this process (TSYNC: threads a driver started are filtered too, and
+    get no_new_privs from the caller), and on all they start."""
     program = seccomp_program(arch)
     buf = ctypes.create_string_buffer(program, len(program))
 
@@ -336,9 +346,32 @@ def apply_seccomp(arch: str) -> None:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     fprog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
-        e = ctypes.get_errno()
-        raise SandboxError(f"seccomp filter refused: {os.strerror(e)}")
+    try:
+        failed = _syscall(SYS_SECCOMP[arch], SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(fprog))
+    except OSError as e:
+        raise SandboxError(f"seccomp filter refused: {e.strerror}") from None
+    if failed:
+        raise SandboxError(f"seccomp filter refused: thread {failed} could not take it")
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def unconfined_threads(seccomp: bool) -> list[str]:
+    """This process's threads that lack no_new_privs or the seccomp filter (where one was applied), or still
+    hold a capability: what the kernel says of each (/proc/self/task/<tid>/status)."""
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            status = Path(f"/proc/self/task/{tid}/status").read_text()
+        except FileNotFoundError:  # it ended
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if (fields["NoNewPrivs"].strip() != "1" or int(fields["CapEff"], 16) != 0
+                or (seccomp and fields["Seccomp"].strip() != "2")):
+            found.append(tid)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,12 +5,15 @@ trusts nothing this process does once that code is loaded; no module of the harn
 The order is what makes the sandbox hold. The harness's requests arrive in this order:
 
     hello     report sys.path (the harness turns it into read rules)
-    sandbox   set the rlimits the harness names (limits.py), start the worker's accelerator (its
-              driver names threads and opens sockets as it starts, which the sandbox forbids),
-              move into a mount namespace where no access time moves (where the worker has the
-              privilege), and apply the OS sandbox (sandbox.py): from here on, this process and
-              all it starts can read only what the rules name and write only the private folder
-              (and, on CUDA, the names of its own threads)
+    sandbox   set the rlimits the harness names (limits.py); while the worker is one thread (a
+              thread started earlier would stay outside what follows: each part below binds the
+              thread that applies it and those it starts), move into a mount namespace where no
+              access time moves (where the worker has the privilege), drop every capability and
+              apply Landlock (sandbox.py); start the accelerator (its driver starts threads, which
+              inherit all of that, names them, and opens a socket); then the seccomp filter, on
+              every thread at once, and a check that the kernel reports each thread confined.
+              From here on, this process and all it starts can read only what the rules name and
+              write only the private folder (and, on CUDA, the files of its own threads)
     load      import train.py (load_for_eval) or inference.py (load_scorer) from the harness's
               private copy, and load the checkpoint copy
     buffers   map the sealed shared-memory buffers the logits go into (model mode)
@@ -87,21 +90,32 @@ def load_participant_model(train_py, checkpoint, device):
     return model
 
 
+def device_present() -> str:
+    """The fastest device present, found without starting one (a driver's threads started before the sandbox
+    would stay outside it): CUDA where torch was built for it and a GPU's device node exists, else what
+    detect_device_type finds (neuron or cpu; on those it starts nothing)."""
+    import glob
+    import torch
+    from harness.common import detect_device_type
+    if torch.backends.cuda.is_built() and glob.glob("/dev/nvidia[0-9]*"):
+        return "cuda"
+    return detect_device_type()
+
+
 def resolve_device(name: str, local_rank: int, present: str):
-    """The worker's device: "auto" is `present`, the fastest device the worker found before its sandbox
-    (detect_device_type), so the harness process itself never touches an accelerator and the sandbox can
-    never turn "auto" into a slower device; CUDA takes the rank's own GPU."""
+    """The worker's device: "auto" is `present`, the fastest device the worker found before its sandbox, so
+    the harness process itself never touches an accelerator and the sandbox can never turn "auto" into a
+    slower device; CUDA takes the rank's own GPU."""
     import torch
     kind = present if name == "auto" else name
     return torch.device(f"cuda:{local_rank}" if kind == "cuda" else kind)
 
 
 def start_device(device) -> None:
-    """Start a CUDA device before the sandbox: its context, and a matmul in fp32 and bf16 (cuBLAS's
-    handles). CUDA's start writes /proc/<pid>/task/<tid>/comm to name the driver's threads and asks
-    for sockets, which Landlock and the seccomp filter refuse (measured on an H200: error 304 under
-    Landlock alone, and under the filter unless socket() is allowed); once started, the forwards need
-    neither. A device that does not start even here is one clear error, before any sandbox."""
+    """Start a CUDA device: its context, and a matmul in fp32 and bf16 (cuBLAS's handles). Its start writes
+    /proc/<pid>/task/<tid>/comm to name the driver's threads (the thread-names rule) and asks for a socket
+    (allowed until the seccomp filter applies); once started, the forwards need neither. A device that does
+    not start is one clear error, before any participant code runs."""
     import torch
     if device.type != "cuda":
         return
@@ -112,21 +126,43 @@ def start_device(device) -> None:
             (x @ x).sum().item()
     except RuntimeError as e:
         raise HarnessError(f"the worker cannot start {device} on this machine ({str(e).splitlines()[0][:200]}). "
-                           "Score with --device cpu.") from None
+                           "Score with --device cpu, or with --no-sandbox to tell a sandbox problem from a device "
+                           "problem (not official).") from None
 
 
-def check_device_works(device) -> None:
-    """A tensor on the device, inside the sandbox and before any participant code: a device the sandbox
-    keeps from working is one clear error (benchmarks/gpu_check.py's sandbox stage probes each part)."""
-    import torch
-    if device.type != "cuda":
-        return
-    try:
-        torch.ones(1, device=device).add_(1).item()
-    except RuntimeError as e:
-        raise HarnessError(f"the worker cannot use {device} inside its sandbox on this machine "
-                           f"({str(e).splitlines()[0][:200]}). Score with --device cpu, or with --no-sandbox to tell "
-                           "a sandbox problem from a model problem (not official).") from None
+def enter_sandbox(msg: dict, device) -> list[str]:
+    """Apply the sandbox msg names, start the device inside it, and check with the kernel that every thread
+    is confined; returns what was applied. Any failure is an error (participant code never runs in a
+    half-applied sandbox), but for the noatime namespace, which needs a privilege the worker may lack: its
+    absence is reported (no "noatime"), and the harness reads ahead instead."""
+    threads = sandbox.thread_count()
+    if threads != 1:  # each part below binds only the thread that applies it and the threads it starts later
+        raise HarnessError(f"the worker runs {threads} threads before its sandbox, and a thread started before it "
+                           "would stay outside it (a thread pool started at import: OPENBLAS_NUM_THREADS=1)")
+    applied, noatime = [], False
+    if msg.get("noatime"):  # first: it needs CAP_SYS_ADMIN, and Landlock forbids mounting
+        try:
+            noatime = not sandbox.remount_noatime()
+        except OSError:
+            pass  # no privilege: the harness reads ahead instead (access_times.py)
+    sandbox.set_no_new_privs()
+    sandbox.drop_capabilities()
+    applied.append("capabilities")
+    if msg["abi"] > 0:
+        rules = msg["rules"]
+        if device.type == "cuda":  # the driver names the threads it starts
+            rules = rules + [sandbox.thread_names_rule()]
+            applied.append("thread-names")
+        sandbox.apply_landlock(rules, msg["abi"])
+        applied.append(f"landlock-{msg['abi']}")
+    start_device(device)
+    if msg["seccomp"]:
+        sandbox.apply_seccomp(msg["seccomp"])  # on every thread, the driver's included
+        applied.append("seccomp")
+    unconfined = sandbox.unconfined_threads(seccomp=bool(msg["seccomp"]))
+    if unconfined:
+        raise HarnessError(f"threads {unconfined[:5]} of the worker are outside its sandbox")
+    return applied + ["noatime"] * noatime
 
 
 class Server:
@@ -142,42 +178,19 @@ class Server:
         return {"sys_path": [os.path.abspath(p) for p in sys.path if p]}
 
     def sandbox(self, msg: dict) -> dict:
-        """Apply the sandbox the harness asked for; any failure is an error (the harness then stops:
-        participant code never runs in a half-applied sandbox), but for the noatime namespace,
-        which needs a privilege the worker may lack: its absence is reported (no "noatime"), and
-        the harness reads ahead instead. The rlimits hold with or without the sandbox."""
-        from harness.common import detect_device_type
-        self.present = detect_device_type()  # trusted code, before the sandbox: the device is not the sandbox's choice
+        """The rlimits (they hold with or without the sandbox), the device found, and the sandbox entered."""
         limits.apply_rlimits(msg["rlimits"])
+        self.present = device_present()  # trusted code, before the sandbox: the device is not the sandbox's choice
         device = resolve_device(msg.get("device", "auto"), int(msg.get("local_rank", 0)), self.present)
-        start_device(device)
         if msg.get("off"):
+            start_device(device)
             return {"applied": []}
-        applied, noatime = [], False
-        if msg.get("noatime"):  # first: it needs CAP_SYS_ADMIN, and Landlock forbids mounting
-            try:
-                noatime = not sandbox.remount_noatime()
-            except OSError:
-                pass  # no privilege: the harness reads ahead instead (access_times.py)
-        sandbox.set_no_new_privs()
-        sandbox.drop_capabilities()
-        applied.append("capabilities")
-        if msg["abi"] > 0:
-            rules = msg["rules"]
-            if device.type == "cuda":  # the driver names the threads it starts later, too
-                rules = rules + [sandbox.thread_names_rule()]
-                applied.append("thread-names")
-            sandbox.apply_landlock(rules, msg["abi"])
-            applied.append(f"landlock-{msg['abi']}")
-        if msg["seccomp"]:
-            sandbox.apply_seccomp(msg["seccomp"])
-            applied.append("seccomp")
-        return {"applied": applied + ["noatime"] * noatime}
+        return {"applied": enter_sandbox(msg, device)}
 
     def load(self, msg: dict) -> dict:
         import torch
         self.device = resolve_device(msg["device"], int(msg["local_rank"]), self.present)
-        check_device_works(self.device)
+        start_device(self.device)  # started in sandbox(): a check that it still works
         if self.device.type == "neuron" and hasattr(torch, "neuron") and hasattr(torch.neuron, "set_device"):
             torch.neuron.set_device(int(msg["local_rank"]))
         if msg["mode"] == "model":
