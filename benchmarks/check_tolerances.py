@@ -78,10 +78,18 @@ def kit_copy(dtype: str) -> Path:
 
 
 def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_tokens: int) -> dict:
+    """The official path once (two sandboxed workers), then secrets_count evaluations' checks in process; each
+    evaluation's line printed as it ends, so a run cut short keeps what it measured."""
+    with copy_submission(kit_copy(dtype), checkpoint) as submission:
+        cli = M.evaluate_checkpoint(submission, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
+                                    max_tokens=max_tokens, timeout_seconds=M.EVAL_TIMEOUT_SECONDS)
+    workers = {"causality": cli["causality_max_abs_diff"], "replay": cli["replay_max_abs_diff"],
+               "batch_size": cli["batch_size_max_abs_diff"], "probes": cli["probes"], "twins": cli["twins"]}
+    print(f"  two workers ({dtype}): " + ", ".join(f"{k} {v:.3g}" for k, v in workers.items()), flush=True)
     worst = {"causality": 0.0, "batch_content": 0.0, "replay": 0.0, "batch_size": 0.0}
     model = load(checkpoint, dtype)
     refused = probes = twins = 0
-    for _ in range(secrets_count):
+    for k in range(secrets_count):
         r = M.causality_check(model, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
                               max_rows=max_tokens // prepare.EVAL_SEQ_LEN)
         probes, twins = probes + r["probes"], twins + r["twins"]
@@ -91,12 +99,10 @@ def bpb_checks(checkpoint: str, dtype: str, tokenizer, secrets_count: int, max_t
         for kind, key in (("causality", "causal_max_abs_diff"), ("batch_content", "batch_content_max_abs_diff"),
                           ("replay", "replay_max_abs_diff"), ("batch_size", "batch_size_max_abs_diff")):
             worst[kind] = max(worst[kind], r[key])
-    with copy_submission(kit_copy(dtype), checkpoint) as submission:
-        cli = M.evaluate_checkpoint(submission, tokenizer, prepare.EVAL_BATCH_SIZE, prepare.EVAL_SEQ_LEN, DEVICE,
-                                    max_tokens=max_tokens, timeout_seconds=M.EVAL_TIMEOUT_SECONDS)
-    return {"in_process": worst, "refused": refused, "probes": probes, "twins": twins,
-            "workers": {"causality": cli["causality_max_abs_diff"], "replay": cli["replay_max_abs_diff"],
-                        "batch_size": cli["batch_size_max_abs_diff"], "probes": cli["probes"], "twins": cli["twins"]}}
+        print(f"  in process, secret {k + 1} of {secrets_count} ({dtype}, {r['probes']} probes, {r['twins']} twins): "
+              f"{'passed' if r['passed'] else 'REFUSED'}; largest differences so far " +
+              ", ".join(f"{kind} {v:.3g}" for kind, v in worst.items()), flush=True)
+    return {"in_process": worst, "refused": refused, "probes": probes, "twins": twins, "workers": workers}
 
 
 class _Forward(M.LocalForward):
