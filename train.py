@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -1540,11 +1541,41 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
     return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
 
 
+# ---- The shape for the budget (--shape-for-budget, on in the cpu preset): measured tokens/s and a fitted rule -------
+# The shapes measured beside the recipe's own: width 384 keeps a fast bf16 matmul unit (AMX) busy where 192 leaves it
+# idle; depth 4 at width 256 is the CPU campaign's "one size up".
+SHAPE_CANDIDATES = (dict(depth=4, aspect_ratio=64), dict(depth=3, aspect_ratio=128))
+# val_bpb ~ E + A / N^alpha + B / D^beta, N the blocks' matrix parameters and D the tokens trained: the fit of
+# benchmarks/shape_rule.py to the CPU campaign (rms error 0.034 bpb). E is the text's, the same for every shape.
+SHAPE_FIT = dict(A=10.25, alpha=0.225, B=592.7, beta=0.475)
+SHAPE_MARGIN_BPB = 0.02  # the fit must expect a candidate this much better than the recipe's shape (300-s seed spread)
+SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "seq_len", "total_batch_size", "device_batch_size")  # it picks
+SHAPE_PROBE_STEPS = (2, 3)  # per shape: steps that compile and warm up, then steps timed
 # A row starts at a document's start, so rows of 256 train only each document's first 257 tokens. Once a run has read
 # those about twice, rows twice as long win (the crossing: 1.3-2.1 passes, 256 to 512; docs/presets-and-benchmarks.md).
 MAX_PASSES = 2.0
-# The cpu preset's MFU on the 2-core machines, what the rule expects of a run it has not started yet
-EXPECTED_MFU = {None: 0.46, torch.bfloat16: 0.33}  # by compute dtype (None: fp32)
+
+
+def shape_name(recipe: Recipe) -> str:
+    c = model_config(recipe)
+    return f"depth {c.n_layer}, width {c.n_embd}, rows of {recipe.seq_len}"
+
+
+def shape_candidates(recipe: Recipe) -> list[Recipe]:
+    """The recipe's own shape first, then SHAPE_CANDIDATES' (at the recipe's head size, rows and batch)."""
+    shapes = [recipe] + [dataclasses.replace(recipe, **c) for c in SHAPE_CANDIDATES]
+    return list({shape_name(s): s for s in reversed(shapes)}.values())[::-1]  # the first of each name
+
+
+def matrix_parameters(recipe: Recipe) -> int:
+    """The fit's N: the parameters of the blocks' matrices (no embedding table, no head)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(model_config(recipe)).blocks.parameters() if p.ndim == 2)
+
+
+def expected_bpb(matrix_params: int, tokens: float) -> float:
+    """SHAPE_FIT's val_bpb less the text's constant: it compares shapes on one text, nothing more."""
+    return SHAPE_FIT["A"] * matrix_params ** -SHAPE_FIT["alpha"] + SHAPE_FIT["B"] * tokens ** -SHAPE_FIT["beta"]
 
 
 def training_documents() -> int:
@@ -1553,21 +1584,108 @@ def training_documents() -> int:
                for path, group in _row_groups_for_split("train", 0, 1))
 
 
-def rows_for_budget(recipe: Recipe, flops_per_second: float, documents: int) -> tuple[int, str]:
-    """(row length, why): --seq-len, or twice it where the budget's tokens at flops_per_second (achieved, all
-    ranks) would pass MAX_PASSES times or more over what rows of --seq-len reach. Pure."""
-    def passes(seq_len: int) -> float:  # over at most seq_len + 1 tokens of each document (all of a shorter one)
-        with torch.device("meta"):
-            flops_per_token = GPT(model_config(dataclasses.replace(recipe, seq_len=seq_len))).flops_per_token()
-        return recipe.time_budget * flops_per_second / flops_per_token / (documents * (seq_len + 1))
+def choose_shape(recipe: Recipe, tokens_per_second: dict[str, float], documents: int) -> tuple[Recipe, list[str]]:
+    """(the shape, why): the candidate whose measured tokens/s (by shape_name) over the budget the fit expects to score
+    best, if by SHAPE_MARGIN_BPB over the recipe's own; its rows doubled where they would pass MAX_PASSES times or
+    more over what they reach (at most seq_len + 1 tokens of each document). Pure."""
+    why, scored = [], []
+    for shape in shape_candidates(recipe):
+        tokens = tokens_per_second[shape_name(shape)] * recipe.time_budget
+        scored.append((expected_bpb(matrix_parameters(shape), tokens), shape))
+        why.append(f"  {shape_name(shape)}: {tokens_per_second[shape_name(shape)]:,.0f} tokens/s, {tokens / 1e6:.1f}M "
+                   f"tokens in {recipe.time_budget:.0f}s, expected val_bpb {scored[-1][0] - scored[0][0]:+.3f} to the "
+                   f"recipe's")
+    best_bpb, best = min(scored, key=lambda s: s[0])
+    pick = best if scored[0][0] - best_bpb >= SHAPE_MARGIN_BPB else recipe
+    tokens = tokens_per_second[shape_name(pick)] * recipe.time_budget
+    passes = tokens / (documents * (pick.seq_len + 1))
+    if passes >= MAX_PASSES:
+        pick = dataclasses.replace(pick, seq_len=2 * pick.seq_len)
+    why.append(f"picked {shape_name(pick)} (--shape-for-budget): the best expected val_bpb, by {SHAPE_MARGIN_BPB} at "
+               f"least to replace the recipe's shape; rows of {pick.seq_len} as {tokens / 1e6:.1f}M tokens pass "
+               f"{passes:.1f} times over the first {pick.seq_len // (2 if passes >= MAX_PASSES else 1) + 1} tokens "
+               f"of the {documents:,} training documents (rows twice as long from {MAX_PASSES:g} passes)")
+    return pick, why
 
-    short, long = recipe.seq_len, 2 * recipe.seq_len
-    at_short, at_long = passes(short), passes(long)
-    seq_len = long if at_short >= MAX_PASSES else short
-    return seq_len, (f"rows of {seq_len} (--rows-for-budget): {recipe.time_budget:.0f}s at "
-                     f"{flops_per_second / 1e12:.2f} TFLOP/s would pass {at_short:.1f} times over the first "
-                     f"{short + 1} tokens of the {documents:,} training documents, {at_long:.1f} times over their "
-                     f"first {long + 1} (rows twice as long from {MAX_PASSES:g} passes)")
+
+def random_batches(rows: int, seq_len: int, device: torch.device, vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """Endless (inputs, targets, state) of random tokens: a step's time does not depend on the text."""
+    while True:
+        x = torch.randint(0, vocab_size, (rows, seq_len + 1), device=device)
+        yield x[:, :-1], x[:, 1:], {}
+
+
+def time_training_steps(recipe: Recipe, options: RunOptions, profile: DeviceProfile, device: torch.device,
+                        warmup: int, steps: int) -> tuple[float, float]:
+    """(seconds of the first `warmup` steps, median seconds of the `steps` after them): the recipe's model trained on
+    random tokens in one process, compiled where options say, as a run trains it."""
+    model = build_model(model_config(recipe), device, recipe.dtype)
+    optimizer = build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
+    geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
+    data, seconds = random_batches(geometry.device_batch_size, recipe.seq_len, device), []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        train_step(step_model, optimizer, data, geometry.grad_accum_steps)
+        synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+    return sum(seconds[:warmup]), statistics.median(seconds[warmup:])
+
+
+def measured_table_path() -> Path:
+    """Tokens/s by shape, measured once per machine and kept: $XDG_CACHE_HOME or ~/.cache (delete it to measure again)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainium-frontier" / "shapes.json"
+
+
+def machine_key(profile: DeviceProfile, options: RunOptions) -> str:
+    """What a step's speed depends on besides its shape: processor, device, dtype, compile, threads, torch, this file."""
+    if profile.type == "cpu":
+        info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        model, flags = re.search(r"^model name\s*:\s*(.*)$", info, re.M), re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+        kinds = sorted(set(flags[1].split() if flags else ()) & {"amx_bf16", "avx512_bf16", "avx512f"})
+        here = f"{model[1] if model else 'cpu'} ({', '.join(kinds)})"
+    else:
+        here = torch.cuda.get_device_name() if profile.type == "cuda" else profile.peak_source
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return (f"{here} x {cpu_threads() if profile.type == 'cpu' else 1} | {profile.compute_dtype or 'fp32'} | "
+            f"{'compiled' if options.compile else 'eager'} | torch {torch.__version__} | train.py {source}")
+
+
+def read_measured_table(path: Path) -> dict:
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a table of tokens/s ({e}): delete it to measure again") from None
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ValueError(f"{path} is not a table of tokens/s: delete it to measure again")
+    return table
+
+
+def shape_for_budget(recipe: Recipe, options: RunOptions, profile: DeviceProfile, probe: bool = True) -> tuple[
+        Recipe, dict]:
+    """choose_shape() from each candidate's tokens/s on this machine: read from measured_table_path(), or measured here
+    (SHAPE_PROBE_STEPS, before step 0: start-up, never charged) and added to it where `probe`. Returns the shape and
+    a record of the choice for the run folder."""
+    if recipe.max_steps > 0 or get_dist_info()[3] > 1:
+        raise ValueError("--shape-for-budget picks one process's shape for a time budget: with --max-steps or several "
+                         "ranks, give the shape's flags (tools/plan.py prints them), or --no-shape-for-budget")
+    path, key = measured_table_path(), machine_key(profile, options)
+    table = read_measured_table(path)
+    measured, probed = table.setdefault(key, {}), {}
+    for shape in shape_candidates(recipe):
+        name = shape_name(shape)
+        if name in measured:
+            continue
+        if not probe:
+            raise ValueError(f"--shape-for-budget: no tokens/s of {name} for {key} in {path}; measure them on this "
+                             "machine with python tools/plan.py --probe (the same flags), or --no-shape-for-budget")
+        warm, step = time_training_steps(shape, options, profile, torch.device(profile.type), *SHAPE_PROBE_STEPS)
+        measured[name], probed[name] = shape.total_batch_size / step, warm + step * SHAPE_PROBE_STEPS[1]
+        print0(f"shape probe: {name}: {measured[name]:,.0f} tokens/s ({probed[name]:.0f}s, compile included)")
+        write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
+    pick, why = choose_shape(recipe, measured, training_documents())
+    return pick, {"shape": shape_name(pick), "why": why, "tokens_per_second": measured, "table": str(path),
+                  "machine": key, "probe_seconds": probed}
 
 
 # ---- The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it --------------------
@@ -1619,7 +1737,7 @@ class BudgetClock:
 
 
 # ---- The run folder: out_dir holds final.pt and what a person looks at, and never loses an earlier run ---------------
-RUN_FILES = ("final.pt", "log.txt", "summary.json", "metrics.jsonl", "loss.png")  # state/ stays for --resume
+RUN_FILES = ("final.pt", "log.txt", "summary.json", "metrics.jsonl", "loss.png", "shape.json")  # state/: --resume
 
 
 def keep_previous_run(out_dir: Path) -> None:
@@ -1807,7 +1925,7 @@ class RunOptions:
     save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none)
     resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
     log_every: int = 10  # print a progress line every this many steps
-    rows_for_budget: bool = False  # double --seq-len where the budget would read its rows' text twice (rows_for_budget)
+    shape_for_budget: bool = False  # measure SHAPE_CANDIDATES' tokens/s here, train the one choose_shape picks
     peak_tflops: float = 0.0  # the peak TFLOP/s per rank that MFU divides by (0: the datasheet's, or measured)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
@@ -1834,9 +1952,10 @@ ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL"
 
 PRESETS = {
     # A laptop CPU for 5 minutes: benchmarks/preset_sweep.py's winner at 300 s on 2 cores; compiled (eager elementwise
-    # work on the 8192-wide logits dominates a CPU step); rows of 512 where rows of 256 would be read twice.
+    # work on the 8192-wide logits dominates a CPU step); a wider or deeper shape where this machine runs it fast
+    # enough (SHAPE_CANDIDATES), and rows of 512 where rows of 256 would be read twice (choose_shape).
     "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
-                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, rows_for_budget=True,
+                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, shape_for_budget=True,
                 **ADOPTED_INGREDIENTS),
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
     "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0,
@@ -1950,6 +2069,10 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
                                                               else "") for name, setting in used.items()]
     values = {**(PRESETS[args.preset] if args.preset else {}), **from_env, **given}
+    shape_given = sorted(set(SHAPE_FIELDS) & set({**from_env, **given}))
+    if values.get("shape_for_budget") and shape_given and "shape_for_budget" not in given:  # the flag given wins
+        values["shape_for_budget"] = False
+        notes.append(f"--{shape_given[0].replace('_', '-')} given: the preset's shape probe is off (--shape-for-budget)")
     recipe, architecture, options = ({f.name: values[f.name] for f in kind_fields(kind) if f.name in values}
                                      for kind in SETTING_KINDS)
     return Recipe(**recipe, architecture=Architecture(**architecture)), RunOptions(**options), notes
@@ -1961,16 +2084,18 @@ def main(argv=None) -> int:
     setup_kernels(options, device_type, model_config(recipe))  # a malformed model flag fails here, before any data
     profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
     notes = [f"environment: {note}" for note in notes]
-    if options.rows_for_budget:
-        expected = profile.peak_flops * get_dist_info()[3] * EXPECTED_MFU.get(profile.compute_dtype, 0.33)
-        seq_len, why = rows_for_budget(recipe, expected, training_documents())
-        recipe, notes = dataclasses.replace(recipe, seq_len=seq_len), notes + [why]
+    shape = None
+    if options.shape_for_budget:
+        recipe, shape = shape_for_budget(recipe, options, profile)
+        notes += shape["why"]
     device, rank, world_size = init_distributed(profile)
     torch.manual_seed(recipe.seed)
     stdout = sys.stdout
     if rank == 0:  # the run's log beside its checkpoint, an earlier run's files kept
         keep_previous_run(Path(options.out_dir))
         sys.stdout = Tee(stdout, Path(options.out_dir) / "log.txt")
+        if shape:
+            write_atomically(Path(options.out_dir) / "shape.json", lambda t: t.write_text(json.dumps(shape, indent=1)))
     for note in notes:
         print0(note)
     try:

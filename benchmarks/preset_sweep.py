@@ -52,8 +52,8 @@ SHAPES = {
                          "--total-batch-size", "4096", "--device-batch-size", "16"],
     "d3-w192-s512-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
-    # the cpu preset with its rows picked from the budget (as the preset now does)
-    "rows-for-budget": ["--rows-for-budget"],
+    # the cpu preset with its rows picked from the budget (--rows-for-budget then; its shape and rows now)
+    "rows-for-budget": ["--shape-for-budget"],
     "d3-w192-s1024-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "1024",
                           "--total-batch-size", "4096", "--device-batch-size", "4"],
     "d6-w384-s512-b4k": ["--depth", "6", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
@@ -67,7 +67,7 @@ SHAPES = {
     "d3-w192-s256-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "256",
                          "--total-batch-size", "4096", "--device-batch-size", "16"],  # one micro-batch, like the others
     # the cpu preset's shape with its rows held at 256 whatever the budget
-    "rows-256": ["--seq-len", "256", "--no-rows-for-budget"],
+    "rows-256": ["--seq-len", "256", "--no-shape-for-budget"],
     "d4-w192-s512-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
     "d4-w192-s256-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "256",

@@ -243,26 +243,43 @@ def test_flags_cover_the_recipe_and_the_run_options_and_presets_apply():
     assert set(T.PRESETS["cpu"]) | set(T.PRESETS["phase2"]) | set(T.PRESETS["gpu"]) <= set(fields)
 
 
-def flops_per_second_for_passes(recipe, passes: float, documents: int) -> float:
-    with torch.device("meta"):
-        flops_per_token = T.GPT(T.model_config(recipe)).flops_per_token()
-    return passes * documents * (recipe.seq_len + 1) * flops_per_token / recipe.time_budget
+def shape_speeds(recipe, **speeds: float) -> dict[str, float]:
+    """{shape_name: tokens/s} for the recipe's candidates, named by width (192: the cpu preset's own)."""
+    return {T.shape_name(s): speeds[f"w{T.model_config(s).n_embd}"] for s in T.shape_candidates(recipe)}
 
 
-def test_rows_for_budget_doubles_the_rows_from_max_passes_over_what_they_reach():
+def test_choose_shape_picks_by_the_fit_from_measured_speeds_with_a_margin(monkeypatch):
     recipe = T.parse_command_line(["--preset", "cpu"])[0]
-    for documents in (100, 8264, 10**6):
-        below = flops_per_second_for_passes(recipe, 0.99 * T.MAX_PASSES, documents)
-        assert T.rows_for_budget(recipe, below, documents)[0] == recipe.seq_len
-        above = flops_per_second_for_passes(recipe, 1.01 * T.MAX_PASSES, documents)
-        seq_len, why = T.rows_for_budget(recipe, above, documents)
-        assert seq_len == 2 * recipe.seq_len
-        assert f"would pass {1.01 * T.MAX_PASSES:.1f} times over the first {recipe.seq_len + 1} tokens" in why
-    # the campaign's questions on the stdlib text (8,264 documents), at the preset's measured MFU
-    bf16, fp32 = (T.EXPECTED_MFU[k] * peak for k, peak in ((torch.bfloat16, 0.45e12), (None, 0.19e12)))
-    picked = {(budget, name): T.rows_for_budget(dataclasses.replace(recipe, time_budget=budget), flops, 8264)[0]
-              for budget in (300.0, 900.0) for name, flops in (("bf16", bf16), ("fp32", fp32))}
-    assert picked == {(300.0, "bf16"): 256, (300.0, "fp32"): 256, (900.0, "bf16"): 512, (900.0, "fp32"): 512}
+    assert [T.model_config(s).n_embd for s in T.shape_candidates(recipe)] == [192, 256, 384]
+    # the AVX-512 BF16 kind (the probe's figures there): the preset's own shape, rows of 256 at 300 s, 512 at 900 s
+    avx512 = shape_speeds(recipe, w192=7293, w256=4805, w384=3692)
+    for budget, rows in ((300.0, 256), (900.0, 512)):
+        pick, why = T.choose_shape(dataclasses.replace(recipe, time_budget=budget), avx512, 8264)
+        assert (pick.depth, pick.aspect_ratio, pick.seq_len) == (3, 64, rows)
+        assert len(why) == 4 and why[-1].startswith(f"picked depth 3, width 192, rows of {rows}")
+    # a machine whose matmul unit the preset leaves idle (AMX): width 384 at 90 % of the preset's speed wins
+    amx = shape_speeds(recipe, w192=11000, w256=8000, w384=9900)
+    pick, why = T.choose_shape(recipe, amx, 14605)
+    assert (T.model_config(pick).n_embd, pick.seq_len) == (384, 256) and "picked depth 3, width 384" in why[-1]
+    monkeypatch.setattr(T, "SHAPE_MARGIN_BPB", 1.0)  # a gain under the margin keeps the recipe's shape
+    assert T.model_config(T.choose_shape(recipe, amx, 14605)[0]).n_embd == 192
+
+
+def test_choose_shape_doubles_the_rows_from_max_passes_over_what_they_reach():
+    recipe = T.parse_command_line(["--preset", "cpu"])[0]
+    for documents in (100, 8264, 30000):  # (at a billion tokens the fit would pick a wider shape, at 1/9 the speed)
+        for passes, rows in ((0.99 * T.MAX_PASSES, 256), (1.01 * T.MAX_PASSES, 512)):
+            speed = passes * documents * 257 / recipe.time_budget
+            pick, why = T.choose_shape(recipe, shape_speeds(recipe, w192=speed, w256=speed / 9, w384=speed / 9),
+                                       documents)
+            assert pick.seq_len == rows and f"pass {passes:.1f} times over the first 257 tokens" in why[-1]
+
+
+def test_shape_flags_given_beside_the_preset_turn_its_probe_off():
+    assert T.parse_command_line(["--preset", "cpu"])[1].shape_for_budget
+    _, options, notes = T.parse_command_line(["--preset", "cpu", "--depth", "4"])
+    assert not options.shape_for_budget and "--depth given: the preset's shape probe is off" in notes[-1]
+    assert T.parse_command_line(["--preset", "cpu", "--seq-len", "512", "--shape-for-budget"])[1].shape_for_budget
 
 
 def test_training_documents_counts_the_train_split(monkeypatch, text_dataset):
@@ -271,14 +288,29 @@ def test_training_documents_counts_the_train_split(monkeypatch, text_dataset):
     assert T.training_documents() == sum(pq.ParquetFile(p).metadata.num_rows for p in shards) > 0
 
 
-def test_a_run_with_rows_for_budget_trains_and_records_the_rows_it_picked(tmp_path, train_main, capsys):
+def test_a_run_with_shape_for_budget_measures_once_per_machine_and_records_its_choice(tmp_path, train_main, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    train_main([*TINY, "--rows-for-budget", "--max-steps", "2", "--eval-tokens", "0", "--out-dir", str(out)])
-    assert "rows of 256 (--rows-for-budget)" in capsys.readouterr().out  # 128 doubled: the tiny text is short
-    assert "rows of 256 (--rows-for-budget)" in (out / "log.txt").read_text()
-    assert json.loads((out / "summary.json").read_text())["seq_len"] == 256
-    saved = torch.load(out / "final.pt", weights_only=True)
-    assert saved["meta"]["recipe"]["seq_len"] == saved["model_config"]["sequence_len"] == 256
+    train_main([*TINY, "--shape-for-budget", "--time-budget", "12", "--eval-tokens", "0", "--out-dir", str(out)])
+    printed, record = capsys.readouterr().out, json.loads((out / "shape.json").read_text())
+    assert printed.count("shape probe: ") == 3 and "picked " in (out / "log.txt").read_text()
+    table = json.loads(T.measured_table_path().read_text())
+    assert list(table) == [record["machine"]] and len(table[record["machine"]]) == 3
+    trained = torch.load(out / "final.pt", weights_only=True)["model_config"]  # what the run trained is its pick
+    assert record["shape"] == f"depth {trained['n_layer']}, width {trained['n_embd']}, rows of {trained['sequence_len']}"
+    # the same machine again: read from the table, nothing measured
+    recipe, options, _ = T.parse_command_line([*TINY, "--shape-for-budget", "--time-budget", "12"])
+    profile = T.device_profile("cpu", recipe.dtype, 0.1)
+    assert T.shape_for_budget(recipe, options, profile, probe=False)[1]["shape"] == record["shape"]
+    assert "shape probe" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no tokens/s of .* tools/plan.py --probe"):  # another machine's key
+        T.shape_for_budget(recipe, dataclasses.replace(options, compile=True), profile, probe=False)
+    with pytest.raises(ValueError, match="--max-steps or several ranks"):
+        T.shape_for_budget(dataclasses.replace(recipe, max_steps=5), options, profile)
+    T.measured_table_path().write_text("{not json")
+    with pytest.raises(ValueError, match="is not a table of tokens/s .* delete it to measure again"):
+        T.shape_for_budget(recipe, options, profile)
 
 
 def test_schedules():

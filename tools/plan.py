@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,12 +73,13 @@ def planned_batch_size(tokens: float, seq_len: int, ranks: int) -> int:
 
 
 def plan_run(recipe: T.Recipe, ranks: int, budget_seconds: float, flops_per_second: float,
-             throughput_source: str = "given") -> Plan:
+             throughput_source: str = "given", fixed: bool = False) -> Plan:
     """Size a run for a budget at a throughput (achieved model FLOP/s, all ranks): the depth, at the
     flags' aspect ratio and head size, whose training tokens per parameter come nearest (in ratio)
-    PLAN_TOKENS_PER_PARAM; the batch from the batch law; the steps that fill the budget. Pure."""
+    PLAN_TOKENS_PER_PARAM; the batch from the batch law; the steps that fill the budget. `fixed`: the
+    recipe's depth and batch as they are, only the steps. Pure."""
     best = None
-    for depth in range(1, PLAN_MAX_DEPTH + 1):
+    for depth in [recipe.depth] if fixed else range(1, PLAN_MAX_DEPTH + 1):
         candidate = dataclasses.replace(recipe, depth=depth, time_budget=float(budget_seconds))
         with torch.device("meta"):
             model = T.GPT(T.model_config(candidate))
@@ -94,7 +94,7 @@ def plan_run(recipe: T.Recipe, ranks: int, budget_seconds: float, flops_per_seco
     if best is None:
         raise ValueError(f"a budget of {budget_seconds:.0f}s leaves no time to train after saving the checkpoint")
     _, candidate, model, training_seconds, tokens = best
-    batch = planned_batch_size(tokens, recipe.seq_len, ranks)
+    batch = recipe.total_batch_size if fixed else planned_batch_size(tokens, recipe.seq_len, ranks)
     geometry = T.batch_geometry(batch, recipe.device_batch_size, recipe.seq_len, ranks)
     candidate = dataclasses.replace(candidate, total_batch_size=batch, device_batch_size=geometry.device_batch_size)
     return Plan(candidate, ranks, flops_per_second, throughput_source, model.num_params(), model.flops_per_token(),
@@ -122,40 +122,20 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
 
 
-def random_batches(rows: int, seq_len: int, device: torch.device):
-    """Endless (inputs, targets, state) of random tokens: throughput does not depend on the text."""
-    while True:
-        x = torch.randint(0, 8183, (rows, seq_len + 1), device=device)
-        yield x[:, :-1], x[:, 1:], {}
-
-
 def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int,
                                 warmup: int) -> dict:
-    """One process training the model of `recipe` on random tokens: tokens/s and MFU over `steps`
-    optimizer steps, after `warmup` steps that include compilation."""
+    """One process training the model of `recipe` on random tokens (train.time_training_steps): tokens/s and MFU over
+    `steps` optimizer steps, after `warmup` steps that include compilation."""
     profile = T.device_profile(device_type, recipe.dtype)
     device = torch.device(device_type)
-    model = T.build_model(T.model_config(recipe), device, recipe.dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
-    geometry = T.batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
-
-    data = random_batches(geometry.device_batch_size, recipe.seq_len, device)
-    t0 = time.time()
-    for _ in range(warmup):
-        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps)
-    T.synchronize(device)
-    warm = time.time() - t0
-    t0, cpu0 = time.time(), time.process_time()
-    for _ in range(steps):
-        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps)
-    T.synchronize(device)
-    dt, cpu_dt = (time.time() - t0) / steps, (time.process_time() - cpu0) / steps
+    warm, dt = T.time_training_steps(recipe, options, profile, device, warmup, steps)
+    with torch.device("meta"):
+        model = T.GPT(T.model_config(recipe))
     tok_s = recipe.total_batch_size / dt
     return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
-            "step_s": dt, "cpu_step_s": cpu_dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
+            "step_s": dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
             "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
             "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
             "params_M": model.num_params() / 1e6, "peak_memory_mb": T.peak_memory_mb(device)}
@@ -179,6 +159,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def plan_shape_for_budget(recipe: T.Recipe, options: T.RunOptions, args, target: str) -> int:
+    """What train.py --shape-for-budget trains here, and why: its candidates' tokens/s from this machine's table,
+    measured where missing (on neuron only with --probe: this is how a Trainium machine's table is made)."""
+    here = T.detect_device_type()
+    if target != here or args.ranks != 1:
+        raise SystemExit(f"error: --shape-for-budget picks one {target} process's shape from tokens/s measured on "
+                         f"that machine (this one is {here}): run it there with --ranks 1, or --no-shape-for-budget")
+    try:
+        chosen, shape = T.shape_for_budget(recipe, options, T.device_profile(target, recipe.dtype),
+                                           probe=args.probe or target != "neuron")
+    except Exception as e:
+        if not T.is_input_error(e):
+            raise
+        raise SystemExit(f"error: {e}") from None
+    print("\n".join(shape["why"]))
+    probed = dataclasses.replace(chosen, seq_len=recipe.seq_len)  # its tokens/s were measured at the recipe's rows
+    with torch.device("meta"):
+        flops = shape["tokens_per_second"][T.shape_name(probed)] * T.GPT(T.model_config(probed)).flops_per_token()
+    print(format_plan(plan_run(chosen, 1, chosen.time_budget, flops, f"measured, {shape['table']}", fixed=True)))
+    return 0
+
+
 def main(argv=None) -> int:
     """The throughput from a measurement, a probe or an assumed MFU, then the plan."""
     parser = build_parser()
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
     if args.ranks < 1 or budget <= 0:
         raise SystemExit(f"error: the planner needs --ranks >= 1 and --budget > 0, got {args.ranks}, {budget}")
     target = options.device if options.device not in ("", "auto") else "neuron"  # the competition's device, unless told
+    if options.shape_for_budget:
+        return plan_shape_for_budget(dataclasses.replace(recipe, time_budget=float(budget)), options, args, target)
     with torch.device("meta"):
         flops_per_token = T.GPT(T.model_config(recipe)).flops_per_token()  # the model the other flags describe
     if args.tokens_per_second is not None:
@@ -219,17 +223,6 @@ def main(argv=None) -> int:
         per_rank = mfu * profile.peak_flops
         source = f"{'assumed' if args.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
                  f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
-    if options.rows_for_budget:  # as train.py decides it, at this throughput, on the text set up here
-        try:
-            documents = T.training_documents()
-        except Exception as e:
-            if not T.is_input_error(e):
-                raise
-            raise SystemExit(f"error: --rows-for-budget reads the training text's size: {e}") from None
-        seq_len, why = T.rows_for_budget(dataclasses.replace(recipe, time_budget=float(budget)),
-                                         per_rank * args.ranks, documents)
-        recipe = dataclasses.replace(recipe, seq_len=seq_len)
-        print(why)
     print(format_plan(plan_run(recipe, args.ranks, budget, per_rank * args.ranks, source)))
     return 0
 
