@@ -1562,9 +1562,9 @@ def shape_name(recipe: Recipe) -> str:
 
 
 def shape_candidates(recipe: Recipe) -> list[Recipe]:
-    """The recipe's own shape first, then SHAPE_CANDIDATES' (at the recipe's head size, rows and batch)."""
+    """The recipe's own shape first, then SHAPE_CANDIDATES' (at the recipe's head size, rows and batch), each once."""
     shapes = [recipe] + [dataclasses.replace(recipe, **c) for c in SHAPE_CANDIDATES]
-    return list({shape_name(s): s for s in reversed(shapes)}.values())[::-1]  # the first of each name
+    return list({shape_name(s): s for s in reversed(shapes)}.values())[::-1]
 
 
 def matrix_parameters(recipe: Recipe) -> int:
@@ -1585,26 +1585,23 @@ def training_documents() -> int:
 
 
 def choose_shape(recipe: Recipe, tokens_per_second: dict[str, float], documents: int) -> tuple[Recipe, list[str]]:
-    """(the shape, why): the candidate whose measured tokens/s (by shape_name) over the budget the fit expects to score
-    best, if by SHAPE_MARGIN_BPB over the recipe's own; its rows doubled where they would pass MAX_PASSES times or
-    more over what they reach (at most seq_len + 1 tokens of each document). Pure."""
+    """(the shape, why): the candidate the fit expects best from its tokens/s over the budget (by shape_name), if by
+    SHAPE_MARGIN_BPB over the recipe's own; its rows doubled where they would pass MAX_PASSES times or more over
+    what they reach (at most seq_len + 1 tokens of each document). Pure."""
     why, scored = [], []
     for shape in shape_candidates(recipe):
         tokens = tokens_per_second[shape_name(shape)] * recipe.time_budget
         scored.append((expected_bpb(matrix_parameters(shape), tokens), shape))
-        why.append(f"  {shape_name(shape)}: {tokens_per_second[shape_name(shape)]:,.0f} tokens/s, {tokens / 1e6:.1f}M "
-                   f"tokens in {recipe.time_budget:.0f}s, expected val_bpb {scored[-1][0] - scored[0][0]:+.3f} to the "
-                   f"recipe's")
-    best_bpb, best = min(scored, key=lambda s: s[0])
-    pick = best if scored[0][0] - best_bpb >= SHAPE_MARGIN_BPB else recipe
-    tokens = tokens_per_second[shape_name(pick)] * recipe.time_budget
-    passes = tokens / (documents * (pick.seq_len + 1))
-    if passes >= MAX_PASSES:
-        pick = dataclasses.replace(pick, seq_len=2 * pick.seq_len)
-    why.append(f"picked {shape_name(pick)} (--shape-for-budget): the best expected val_bpb, by {SHAPE_MARGIN_BPB} at "
-               f"least to replace the recipe's shape; rows of {pick.seq_len} as {tokens / 1e6:.1f}M tokens pass "
-               f"{passes:.1f} times over the first {pick.seq_len // (2 if passes >= MAX_PASSES else 1) + 1} tokens "
-               f"of the {documents:,} training documents (rows twice as long from {MAX_PASSES:g} passes)")
+        why.append(f"  {shape_name(shape)}: {tokens / recipe.time_budget:,.0f} tokens/s, {tokens / 1e6:.1f}M tokens, "
+                   f"expected val_bpb {scored[-1][0] - scored[0][0]:+.3f} to the recipe's")
+    best_bpb, pick = min(scored, key=lambda s: s[0])
+    pick = pick if scored[0][0] - best_bpb >= SHAPE_MARGIN_BPB else recipe
+    tokens, rows = tokens_per_second[shape_name(pick)] * recipe.time_budget, pick.seq_len
+    passes = tokens / (documents * (rows + 1))
+    pick = dataclasses.replace(pick, seq_len=2 * rows) if passes >= MAX_PASSES else pick
+    why.append(f"picked {shape_name(pick)} (--shape-for-budget): the best expected val_bpb in {recipe.time_budget:.0f}s"
+               f" (by {SHAPE_MARGIN_BPB} to leave the recipe's shape); {tokens / 1e6:.1f}M tokens pass {passes:.1f} "
+               f"times over the first {rows + 1} tokens of {documents:,} documents (rows doubled from {MAX_PASSES:g})")
     return pick, why
 
 
@@ -1633,56 +1630,47 @@ def time_training_steps(recipe: Recipe, options: RunOptions, profile: DeviceProf
 
 
 def measured_table_path() -> Path:
-    """Tokens/s by shape, measured once per machine and kept: $XDG_CACHE_HOME or ~/.cache (delete it to measure again)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainium-frontier" / "shapes.json"
+    """Tokens/s by machine and shape, measured once and kept (delete it to measure again)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainium-frontier-shapes.json"
 
 
 def machine_key(profile: DeviceProfile, options: RunOptions) -> str:
-    """What a step's speed depends on besides its shape: processor, device, dtype, compile, threads, torch, this file."""
-    if profile.type == "cpu":
-        info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-        model, flags = re.search(r"^model name\s*:\s*(.*)$", info, re.M), re.search(r"^flags\s*:\s*(.*)$", info, re.M)
-        kinds = sorted(set(flags[1].split() if flags else ()) & {"amx_bf16", "avx512_bf16", "avx512f"})
-        here = f"{model[1] if model else 'cpu'} ({', '.join(kinds)})"
-    else:
-        here = torch.cuda.get_device_name() if profile.type == "cuda" else profile.peak_source
+    """What a step's speed depends on besides its shape: processor, dtype, compile, threads, torch, this file."""
+    cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text() if profile.type == "cpu" and
+                    Path("/proc/cpuinfo").exists() else "", re.M)
+    here = f"{cpu[1]} x {cpu_threads()}" if cpu else torch.cuda.get_device_name() if profile.type == "cuda" else \
+        f"{profile.type}, {profile.peak_source}"
     source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    return (f"{here} x {cpu_threads() if profile.type == 'cpu' else 1} | {profile.compute_dtype or 'fp32'} | "
-            f"{'compiled' if options.compile else 'eager'} | torch {torch.__version__} | train.py {source}")
-
-
-def read_measured_table(path: Path) -> dict:
-    try:
-        table = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a table of tokens/s ({e}): delete it to measure again") from None
-    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError(f"{path} is not a table of tokens/s: delete it to measure again")
-    return table
+    return (f"{here} | {profile.compute_dtype or 'fp32'} | compile {options.compile} | torch {torch.__version__} | "
+            f"train.py {source}")
 
 
 def shape_for_budget(recipe: Recipe, options: RunOptions, profile: DeviceProfile, probe: bool = True) -> tuple[
         Recipe, dict]:
     """choose_shape() from each candidate's tokens/s on this machine: read from measured_table_path(), or measured here
-    (SHAPE_PROBE_STEPS, before step 0: start-up, never charged) and added to it where `probe`. Returns the shape and
+    (SHAPE_PROBE_STEPS, before step 0: start-up, not charged) and added to it where `probe`. Returns the shape and
     a record of the choice for the run folder."""
     if recipe.max_steps > 0 or get_dist_info()[3] > 1:
         raise ValueError("--shape-for-budget picks one process's shape for a time budget: with --max-steps or several "
                          "ranks, give the shape's flags (tools/plan.py prints them), or --no-shape-for-budget")
-    path, key = measured_table_path(), machine_key(profile, options)
-    table = read_measured_table(path)
-    measured, probed = table.setdefault(key, {}), {}
-    for shape in shape_candidates(recipe):
-        name = shape_name(shape)
-        if name in measured:
-            continue
+    path, key, probed = measured_table_path(), machine_key(profile, options), {}
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+        measured = table.setdefault(key, {})
+        measured.update({name: float(value) for name, value in measured.items()})
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a table of tokens/s ({e}): delete it to measure again") from None
+    for shape in [s for s in shape_candidates(recipe) if shape_name(s) not in measured]:
         if not probe:
-            raise ValueError(f"--shape-for-budget: no tokens/s of {name} for {key} in {path}; measure them on this "
-                             "machine with python tools/plan.py --probe (the same flags), or --no-shape-for-budget")
+            raise ValueError(f"--shape-for-budget: no tokens/s of {shape_name(shape)} for {key} in {path}; measure "
+                             "them on this machine: python tools/plan.py --probe (the same flags)")
         warm, step = time_training_steps(shape, options, profile, torch.device(profile.type), *SHAPE_PROBE_STEPS)
+        name = shape_name(shape)
         measured[name], probed[name] = shape.total_batch_size / step, warm + step * SHAPE_PROBE_STEPS[1]
         print0(f"shape probe: {name}: {measured[name]:,.0f} tokens/s ({probed[name]:.0f}s, compile included)")
         write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
+    if probed and options.compile:
+        torch._dynamo.reset()  # the probes' graphs go: dynamo keeps 8 per function (cache_size_limit), the run's next
     pick, why = choose_shape(recipe, measured, training_documents())
     return pick, {"shape": shape_name(pick), "why": why, "tokens_per_second": measured, "table": str(path),
                   "machine": key, "probe_seconds": probed}
@@ -2072,7 +2060,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     shape_given = sorted(set(SHAPE_FIELDS) & set({**from_env, **given}))
     if values.get("shape_for_budget") and shape_given and "shape_for_budget" not in given:  # the flag given wins
         values["shape_for_budget"] = False
-        notes.append(f"--{shape_given[0].replace('_', '-')} given: the preset's shape probe is off (--shape-for-budget)")
+        notes.append(f"--{shape_given[0].replace('_', '-')} given: the preset's shape probe is off "
+                     "(--shape-for-budget turns it on)")
     recipe, architecture, options = ({f.name: values[f.name] for f in kind_fields(kind) if f.name in values}
                                      for kind in SETTING_KINDS)
     return Recipe(**recipe, architecture=Architecture(**architecture)), RunOptions(**options), notes

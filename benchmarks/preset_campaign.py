@@ -105,6 +105,10 @@ PLAN = [  # in the order run, each question whole before the next: the ones that
     Part("budget-rows-300", ("rows-for-budget",), ("as-is",), (1,)),
     Part("budget-rows-900-prose", ("rows-for-budget", "rows-256"), ("as-is",), (1,), budget=900.0, text="prose",
          minutes_per_run=17.0),
+    # the shape probe's wide candidate (width 384: it keeps a fast matmul unit busy), on the kind where the rule
+    # does not pick it, against `now` of shapes-300 and prose-300: does the fit's ranking hold out of its sample?
+    Part("wide-shape-300", ("d3-w384-s256-b4k",), ("as-is",), (1,)),
+    Part("wide-shape-300", ("d3-w384-s256-b4k",), ("as-is",), (1,), text="prose"),
 ]
 QUESTIONS = list(dict.fromkeys(part.question for part in PLAN))
 

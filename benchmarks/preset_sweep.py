@@ -68,6 +68,8 @@ SHAPES = {
                          "--total-batch-size", "4096", "--device-batch-size", "16"],  # one micro-batch, like the others
     # the cpu preset's shape with its rows held at 256 whatever the budget
     "rows-256": ["--seq-len", "256", "--no-shape-for-budget"],
+    "d3-w384-s256-b4k": ["--depth", "3", "--aspect-ratio", "128", "--head-dim", "64", "--seq-len", "256",
+                         "--total-batch-size", "4096", "--device-batch-size", "16"],  # the probe's wide candidate
     "d4-w192-s512-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
     "d4-w192-s256-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "256",

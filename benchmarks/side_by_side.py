@@ -159,19 +159,23 @@ def side_by_side(args) -> list[dict]:
         bpb = {shape: score(adapter, here / f"nanochat-{shape}" / "final.pt", here / f"nanochat-{shape}-score.json",
                             env, args.max_tokens) for shape in args.nanochat_shapes}
         kit_bpb = score(REPO / "train.py", here / "kit" / "final.pt", here / "kit-score.json", env, args.max_tokens)
-        first_step, tokens = kit_first_step_and_tokens(here / "kit")
+        shape = (read_json(here / "kit" / "shape.json") or {}).get("shape", f"rows of {kit.get('seq_len', '?')}")
         rows.append({"multiple": m, "target": target, "seconds": seconds, "nanochat": nanochat,
-                     "kit": {**kit, "first_step_seconds": first_step, "tokens": tokens},
+                     "kit": {**kit, "first_step_seconds": kit_first_step(here / "kit"), "shape": shape,
+                             "tokens": kit["num_steps"] * kit_batch_tokens()},
                      "nanochat_bpb": bpb, "kit_bpb": kit_bpb, "score_dtype": kit["compute_dtype"]})
     return rows
 
 
-def kit_first_step_and_tokens(out: Path) -> tuple[float, float]:
-    """The kit run's first step's seconds (the cold compile) and its tokens, from its metrics.jsonl."""
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def kit_first_step(out: Path) -> float:
+    """The kit run's first step's seconds (the cold compile), from its metrics.jsonl."""
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["dt"]
+
+
+def kit_batch_tokens() -> int:
     sys.path.insert(0, str(REPO))
     import train
-    return steps[0]["dt"], len(steps) * train.PRESETS["cpu"]["total_batch_size"]
+    return train.PRESETS["cpu"]["total_batch_size"]
 
 
 def nanochat_label(shape: str, summary: dict) -> str:
@@ -204,7 +208,7 @@ def table(rows: list[dict], text: str) -> str:
         kit = r["kit"]
         change = 100 * (r["kit_bpb"] - r["nanochat_bpb"][first]) / r["nanochat_bpb"][first]
         lines.append(f"| {r['multiple']:g}x (trained {kit.get('training_seconds', 0):.0f} s) | kit `--preset cpu` "
-                     f"(rows of {kit.get('seq_len', '?')}, {kit['compute_dtype']}) | {kit['num_steps']} | "
+                     f"({kit['shape']}, {kit['compute_dtype']}) | {kit['num_steps']} | "
                      f"{kit['tokens'] / 1e6:.2f} | {kit['tokens_per_second']:,.0f} | "
                      f"{kit['first_step_seconds']:.1f} | {kit['mfu_percent']:.1f} % | {r['kit_bpb']:.4f} | "
                      f"{change:+.1f} % |")

@@ -69,6 +69,23 @@ def test_planner_probe_measures_this_device(capsys):
                ["--probe", "--device", "cpu"])
 
 
+def test_planner_says_what_shape_for_budget_trains_here(capsys, monkeypatch, tmp_path, text_dataset):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    tiny = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--total-batch-size", "512",
+            "--device-batch-size", "8", "--device", "cpu", "--shape-for-budget", "--budget", "600"]
+    assert P.main(tiny) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("shape probe: ") for line in lines) == 3  # measured here, into the table
+    picked = next(line for line in lines if line.startswith("picked "))
+    out = {k: v.strip() for k, v in (line.split(":", 1) for line in lines[lines.index(picked) + 1:])}
+    assert f"depth {out['depth']}, width {out['width']}" in picked and "measured, " in out["throughput"]
+    assert out["command"].startswith(f"python train.py --depth {out['depth']} --aspect-ratio ")
+    assert P.main(tiny) == 0 and "shape probe" not in capsys.readouterr().out  # the second time: the table
+    with pytest.raises(SystemExit, match="picks one cpu process's shape"):
+        P.main([*tiny, "--ranks", "2"])
+
+
 def test_phase2_preset_is_the_plan_for_16_chips_4_hours(monkeypatch):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
     recipe, options, _ = T.parse_command_line(["--preset", "phase2"])

@@ -101,11 +101,13 @@ def plan_run(recipe: T.Recipe, ranks: int, budget_seconds: float, flops_per_seco
                 training_seconds, geometry, int(tokens // batch))
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, preset: str | None = None) -> str:
     recipe, g = plan.recipe, plan.geometry
     config = T.model_config(recipe)
-    flags = f"--depth {recipe.depth} --seq-len {recipe.seq_len} --total-batch-size {recipe.total_batch_size} " \
-            f"--device-batch-size {recipe.device_batch_size} --time-budget {recipe.time_budget:.0f}"
+    flags = f"--preset {preset} " if preset else ""
+    flags += f"--depth {recipe.depth} --aspect-ratio {recipe.aspect_ratio} --head-dim {recipe.head_dim} " \
+             f"--seq-len {recipe.seq_len} --total-batch-size {recipe.total_batch_size} " \
+             f"--device-batch-size {recipe.device_batch_size} --time-budget {recipe.time_budget:.0f}"
     launch = f"torchrun --standalone --nproc_per_node={plan.ranks} train.py" if plan.ranks > 1 else "python train.py"
     per_rank = plan.flops_per_second / plan.ranks
     rows = [("throughput", f"{per_rank / 1e12:.1f} TFLOP/s per rank ({plan.throughput_source})"),
@@ -177,7 +179,8 @@ def plan_shape_for_budget(recipe: T.Recipe, options: T.RunOptions, args, target:
     probed = dataclasses.replace(chosen, seq_len=recipe.seq_len)  # its tokens/s were measured at the recipe's rows
     with torch.device("meta"):
         flops = shape["tokens_per_second"][T.shape_name(probed)] * T.GPT(T.model_config(probed)).flops_per_token()
-    print(format_plan(plan_run(chosen, 1, chosen.time_budget, flops, f"measured, {shape['table']}", fixed=True)))
+    print(format_plan(plan_run(chosen, 1, chosen.time_budget, flops, f"measured, {shape['table']}", fixed=True),
+                      args.preset))
     return 0
 
 
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
         per_rank = mfu * profile.peak_flops
         source = f"{'assumed' if args.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
                  f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
-    print(format_plan(plan_run(recipe, args.ranks, budget, per_rank * args.ranks, source)))
+    print(format_plan(plan_run(recipe, args.ranks, budget, per_rank * args.ranks, source), args.preset))
     return 0
 
 
