@@ -1547,7 +1547,7 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
 SHAPE_CANDIDATES = (dict(depth=4, aspect_ratio=64), dict(depth=3, aspect_ratio=128))
 # val_bpb ~ E + A / N^alpha + B / D^beta, N the blocks' matrix parameters and D the tokens trained: the fit of
 # benchmarks/shape_rule.py to the CPU campaign (rms error 0.034 bpb). E is the text's, the same for every shape.
-SHAPE_FIT = dict(A=10.25, alpha=0.225, B=592.7, beta=0.475)
+SHAPE_FIT = dict(A=89.87, alpha=0.425, B=431.2, beta=0.45)
 SHAPE_MARGIN_BPB = 0.02  # the fit must expect a candidate this much better than the recipe's shape (300-s seed spread)
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "seq_len", "total_batch_size", "device_batch_size")  # it picks
 SHAPE_PROBE_STEPS = (2, 3)  # per shape: steps that compile and warm up, then steps timed
@@ -2054,8 +2054,9 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """The recipe and run options of build_parser()'s parsed flags, --preset and the environment."""
     from_env, used = environment_settings(parser)
     given = {f.name: getattr(args, f.name) for f in setting_fields() if getattr(args, f.name) is not None}
-    notes = [f"{setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if name in given
-                                                              else "") for name, setting in used.items()]
+    notes = [f"environment: {setting} sets --{name.replace('_', '-')}" + (" (overridden by the command line)" if
+                                                                           name in given else "")
+             for name, setting in used.items()]
     values = {**(PRESETS[args.preset] if args.preset else {}), **from_env, **given}
     shape_given = sorted(set(SHAPE_FIELDS) & set({**from_env, **given}))
     if values.get("shape_for_budget") and shape_given and "shape_for_budget" not in given:  # the flag given wins
@@ -2072,7 +2073,6 @@ def main(argv=None) -> int:
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
     setup_kernels(options, device_type, model_config(recipe))  # a malformed model flag fails here, before any data
     profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
-    notes = [f"environment: {note}" for note in notes]
     shape = None
     if options.shape_for_budget:
         recipe, shape = shape_for_budget(recipe, options, profile)

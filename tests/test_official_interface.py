@@ -56,8 +56,8 @@ def test_the_harness_environment_sets_the_output_and_the_evaluation(monkeypatch)
     monkeypatch.setenv("FRONTIER_EVAL_TOKENS", "8192")
     _, options, notes = T.parse_command_line([])
     assert (options.out_dir, options.eval_public, options.eval_tokens) == ("runs/7", False, 8192)
-    assert "NEURON_COMPETITION_R1_OUT_DIR=runs/7 sets --out-dir" in notes
-    assert "FRONTIER_EVAL_TOKENS=8192 sets --eval-tokens" in notes
+    assert "environment: NEURON_COMPETITION_R1_OUT_DIR=runs/7 sets --out-dir" in notes
+    assert "environment: FRONTIER_EVAL_TOKENS=8192 sets --eval-tokens" in notes
     options = T.parse_command_line(["--out-dir", "mine", "--eval-public", "--eval-tokens", "0"])[1]
     assert (options.out_dir, options.eval_public, options.eval_tokens) == ("mine", True, 0)
 
@@ -79,7 +79,7 @@ def test_official_environment_variables_and_the_command_line_wins(monkeypatch):
     monkeypatch.setenv("NEURON_COMPETITION_R1_NKI_RELU2", "true")
     recipe, options, notes = T.parse_command_line([])
     assert (recipe.max_steps, recipe.time_budget, options.compile, options.nki_relu2) == (12, 600.5, True, True)
-    assert "NEURON_COMPETITION_R1_NUM_STEPS=12 sets --max-steps" in notes
+    assert "environment: NEURON_COMPETITION_R1_NUM_STEPS=12 sets --max-steps" in notes
     recipe, options, notes = T.parse_command_line(["--num-steps", "3", "--time-budget", "60", "--no-compile",
                                                    "--no-nki-relu2"])
     assert (recipe.max_steps, recipe.time_budget, options.compile, options.nki_relu2) == (3, 60.0, False, False)
