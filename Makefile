@@ -19,7 +19,7 @@ install: $(VENV)/installed
 
 demo: install
 	$(PY) prepare.py setup --source stdlib
-	$(PY) train.py --preset cpu
+	$(PY) train.py --preset cpu --no-eval-public
 	$(PY) prepare.py eval-public --train-py train.py --checkpoint out/final.pt
 
 test: install
