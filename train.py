@@ -1561,10 +1561,18 @@ def shape_name(recipe: Recipe) -> str:
     return f"depth {c.n_layer}, width {c.n_embd}, rows of {recipe.seq_len}"
 
 
+def shape_key(recipe: Recipe) -> str:
+    """A shape's entry in the table: its name, and a hash of all in the recipe that a step's speed depends on."""
+    what = json.dumps([asdict(model_config(recipe)), recipe.total_batch_size, recipe.device_batch_size, recipe.dtype])
+    return f"{shape_name(recipe)} [{hashlib.sha256(what.encode()).hexdigest()[:8]}]"
+
+
 def shape_candidates(recipe: Recipe) -> list[Recipe]:
     """The recipe's own shape first, then SHAPE_CANDIDATES' (at the recipe's head size, rows and batch), each once."""
-    shapes = [recipe] + [dataclasses.replace(recipe, **c) for c in SHAPE_CANDIDATES]
-    return list({shape_name(s): s for s in reversed(shapes)}.values())[::-1]
+    shapes = {}
+    for shape in [recipe] + [dataclasses.replace(recipe, **c) for c in SHAPE_CANDIDATES]:
+        shapes.setdefault(shape_name(shape), shape)
+    return list(shapes.values())
 
 
 def matrix_parameters(recipe: Recipe) -> int:
@@ -1585,18 +1593,18 @@ def training_documents() -> int:
 
 
 def choose_shape(recipe: Recipe, tokens_per_second: dict[str, float], documents: int) -> tuple[Recipe, list[str]]:
-    """(the shape, why): the candidate the fit expects best from its tokens/s over the budget (by shape_name), if by
+    """(the shape, why): the candidate the fit expects best from its tokens/s over the budget (by shape_key), if by
     SHAPE_MARGIN_BPB over the recipe's own; its rows doubled where they would pass MAX_PASSES times or more over
     what they reach (at most seq_len + 1 tokens of each document). Pure."""
     why, scored = [], []
     for shape in shape_candidates(recipe):
-        tokens = tokens_per_second[shape_name(shape)] * recipe.time_budget
+        tokens = tokens_per_second[shape_key(shape)] * recipe.time_budget
         scored.append((expected_bpb(matrix_parameters(shape), tokens), shape))
         why.append(f"  {shape_name(shape)}: {tokens / recipe.time_budget:,.0f} tokens/s, {tokens / 1e6:.1f}M tokens, "
                    f"expected val_bpb {scored[-1][0] - scored[0][0]:+.3f} to the recipe's")
     best_bpb, pick = min(scored, key=lambda s: s[0])
     pick = pick if scored[0][0] - best_bpb >= SHAPE_MARGIN_BPB else recipe
-    tokens, rows = tokens_per_second[shape_name(pick)] * recipe.time_budget, pick.seq_len
+    tokens, rows = tokens_per_second[shape_key(pick)] * recipe.time_budget, pick.seq_len
     passes = tokens / (documents * (rows + 1))
     pick = dataclasses.replace(pick, seq_len=2 * rows) if passes >= MAX_PASSES else pick
     why.append(f"picked {shape_name(pick)} (--shape-for-budget): the best expected val_bpb in {recipe.time_budget:.0f}s"
@@ -1653,25 +1661,30 @@ def shape_for_budget(recipe: Recipe, options: RunOptions, profile: DeviceProfile
     if recipe.max_steps > 0 or get_dist_info()[3] > 1:
         raise ValueError("--shape-for-budget picks one process's shape for a time budget: with --max-steps or several "
                          "ranks, give the shape's flags (tools/plan.py prints them), or --no-shape-for-budget")
-    path, key, probed = measured_table_path(), machine_key(profile, options), {}
+    path, key, probed, documents = measured_table_path(), machine_key(profile, options), {}, training_documents()
     try:
         table = json.loads(path.read_text()) if path.exists() else {}
         measured = table.setdefault(key, {})
-        measured.update({name: float(value) for name, value in measured.items()})
+        if not all(math.isfinite(float(v)) and float(v) > 0 for v in measured.values()):
+            raise ValueError("a value that is not a positive number of tokens/s")
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a table of tokens/s ({e}): delete it to measure again") from None
-    for shape in [s for s in shape_candidates(recipe) if shape_name(s) not in measured]:
+    for shape in [s for s in shape_candidates(recipe) if shape_key(s) not in measured]:
         if not probe:
             raise ValueError(f"--shape-for-budget: no tokens/s of {shape_name(shape)} for {key} in {path}; measure "
                              "them on this machine: python tools/plan.py --probe (the same flags)")
         warm, step = time_training_steps(shape, options, profile, torch.device(profile.type), *SHAPE_PROBE_STEPS)
-        name = shape_name(shape)
+        name = shape_key(shape)
         measured[name], probed[name] = shape.total_batch_size / step, warm + step * SHAPE_PROBE_STEPS[1]
-        print0(f"shape probe: {name}: {measured[name]:,.0f} tokens/s ({probed[name]:.0f}s, compile included)")
-        write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
+        print0(f"shape probe: {shape_name(shape)}: {measured[name]:,.0f} tokens/s ({probed[name]:.0f}s, compile "
+               "included)")
+        try:
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
+        except OSError as e:  # measured all the same; the next run measures again
+            notice_once(f"the table of tokens/s is not kept ({e})")
     if probed and options.compile:
         torch._dynamo.reset()  # the probes' graphs go: dynamo keeps 8 per function (cache_size_limit), the run's next
-    pick, why = choose_shape(recipe, measured, training_documents())
+    pick, why = choose_shape(recipe, measured, documents)
     return pick, {"shape": shape_name(pick), "why": why, "tokens_per_second": measured, "table": str(path),
                   "machine": key, "probe_seconds": probed}
 
@@ -2043,7 +2056,7 @@ def environment_settings(parser: argparse.ArgumentParser, environ=os.environ) ->
 
 
 def parse_command_line(argv=None) -> tuple[Recipe, RunOptions, list[str]]:
-    """(recipe, run options, one note per environment variable used)."""
+    """(recipe, run options, one note per environment variable used and per preset setting a flag turned off)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else None
     parser = build_parser(preset)
@@ -2074,8 +2087,13 @@ def main(argv=None) -> int:
     setup_kernels(options, device_type, model_config(recipe))  # a malformed model flag fails here, before any data
     profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
     shape = None
-    if options.shape_for_budget:
-        recipe, shape = shape_for_budget(recipe, options, profile)
+    if options.shape_for_budget and options.resume:  # the interrupted run's shape, whatever the table says now
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # else load_snapshot says what is wrong
+            saved = json.loads((Path(options.resume) / "latest.json").read_text())["recipe"]
+            recipe = dataclasses.replace(recipe, **{name: saved[name] for name in SHAPE_FIELDS})
+            notes.append(f"--resume: the interrupted run's shape, {shape_name(recipe)} (no shape probe)")
+    elif options.shape_for_budget:  # on neuron, from the table only: compiling each candidate takes minutes there
+        recipe, shape = shape_for_budget(recipe, options, profile, probe=profile.type != "neuron")
         notes += shape["why"]
     device, rank, world_size = init_distributed(profile)
     torch.manual_seed(recipe.seed)

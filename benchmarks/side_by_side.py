@@ -208,7 +208,8 @@ def table(rows: list[dict], text: str) -> str:
         kit = r["kit"]
         change = 100 * (r["kit_bpb"] - r["nanochat_bpb"][first]) / r["nanochat_bpb"][first]
         lines.append(f"| {r['multiple']:g}x (trained {kit.get('training_seconds', 0):.0f} s) | kit `--preset cpu` "
-                     f"({kit['shape']}, {kit['compute_dtype']}) | {kit['num_steps']} | "
+                     f"({kit['shape']}, {kit['compute_dtype']}; start-up {float(kit.get('startup_seconds', 0)):.0f} s, "
+                     f"its shape probe included) | {kit['num_steps']} | "
                      f"{kit['tokens'] / 1e6:.2f} | {kit['tokens_per_second']:,.0f} | "
                      f"{kit['first_step_seconds']:.1f} | {kit['mfu_percent']:.1f} % | {r['kit_bpb']:.4f} | "
                      f"{change:+.1f} % |")

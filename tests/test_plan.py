@@ -81,9 +81,13 @@ def test_planner_says_what_shape_for_budget_trains_here(capsys, monkeypatch, tmp
     out = {k: v.strip() for k, v in (line.split(":", 1) for line in lines[lines.index(picked) + 1:])}
     assert f"depth {out['depth']}, width {out['width']}" in picked and "measured, " in out["throughput"]
     assert out["command"].startswith(f"python train.py --depth {out['depth']} --aspect-ratio ")
+    rows = out["command"].split("--seq-len ")[1].split()[0]
+    assert picked.split(" (--shape-for-budget)")[0].endswith(f"rows of {rows}")
     assert P.main(tiny) == 0 and "shape probe" not in capsys.readouterr().out  # the second time: the table
     with pytest.raises(SystemExit, match="picks one cpu process's shape"):
         P.main([*tiny, "--ranks", "2"])
+    with pytest.raises(SystemExit, match="feed the planner's own rule"):
+        P.main([*tiny, "--mfu", "0.3"])
 
 
 def test_phase2_preset_is_the_plan_for_16_chips_4_hours(monkeypatch):

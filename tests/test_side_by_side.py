@@ -43,12 +43,12 @@ def test_the_table_says_what_ran_in_which_dtype_and_no_path():
                                                 "sequence_len": 512}}}
     kit = {"training_seconds": 496.0, "seq_len": 256, "compute_dtype": "bfloat16", "num_steps": 1125,
            "tokens_per_second": 10913.0, "mfu_percent": 8.1, "first_step_seconds": 40.2, "tokens": 1125 * 4096,
-           "shape": "depth 3, width 384, rows of 256"}
+           "shape": "depth 3, width 384, rows of 256", "startup_seconds": 151.2}
     rows = [{"multiple": 1.0, "target": 425.0, "seconds": 497.0, "nanochat": {"defaults": nanochat}, "kit": kit,
              "nanochat_bpb": {"defaults": 1.6228}, "kit_bpb": 1.3777, "score_dtype": "bfloat16"}]
     out = S.table(rows, "/home/someone/private/mytext")
     assert "mytext" in out and "/home" not in out and "in bfloat16." in out
     assert "nanochat defaults (d4, w256, 2 heads of 128, SSSL: windows on SDPA's dense mask" in out
     assert "target 425 s, trained 497 s **missed its target by more than 5 %**" in out
-    assert "kit `--preset cpu` (depth 3, width 384, rows of 256, bfloat16)" in out  # the shape it picked there
+    assert "kit `--preset cpu` (depth 3, width 384, rows of 256, bfloat16; start-up 151 s" in out  # its pick there
     assert "| 863 | 3.53 | 8,180 | 31.5 |" in out and "| 1125 | 4.61 | 10,913 | 40.2 | 8.1 % | 1.3777 | -15.1 % |" in out

@@ -244,15 +244,15 @@ def test_flags_cover_the_recipe_and_the_run_options_and_presets_apply():
 
 
 def shape_speeds(recipe, **speeds: float) -> dict[str, float]:
-    """{shape_name: tokens/s} for the recipe's candidates, named by width (192: the cpu preset's own)."""
-    return {T.shape_name(s): speeds[f"w{T.model_config(s).n_embd}"] for s in T.shape_candidates(recipe)}
+    """{shape_key: tokens/s} for the recipe's candidates, named by width (192: the cpu preset's own)."""
+    return {T.shape_key(s): speeds[f"w{T.model_config(s).n_embd}"] for s in T.shape_candidates(recipe)}
 
 
 def test_choose_shape_picks_by_the_fit_from_measured_speeds_with_a_margin(monkeypatch):
     recipe = T.parse_command_line(["--preset", "cpu"])[0]
     assert [T.model_config(s).n_embd for s in T.shape_candidates(recipe)] == [192, 256, 384]
-    # the AVX-512 BF16 kind (the probe's figures there): the preset's own shape, rows of 256 at 300 s, 512 at 900 s
-    avx512 = shape_speeds(recipe, w192=7293, w256=4805, w384=3692)
+    # the AVX-512 BF16 kind (benchmarks/results/shape_probe): the preset's shape, rows of 256 at 300 s, 512 at 900 s
+    avx512 = shape_speeds(recipe, w192=7280, w256=5256, w384=3367)
     for budget, rows in ((300.0, 256), (900.0, 512)):
         pick, why = T.choose_shape(dataclasses.replace(recipe, time_budget=budget), avx512, 8264)
         assert (pick.depth, pick.aspect_ratio, pick.seq_len) == (3, 64, rows)
@@ -273,6 +273,15 @@ def test_choose_shape_doubles_the_rows_from_max_passes_over_what_they_reach():
             pick, why = T.choose_shape(recipe, shape_speeds(recipe, w192=speed, w256=speed / 9, w384=speed / 9),
                                        documents)
             assert pick.seq_len == rows and f"pass {passes:.1f} times over the first 257 tokens" in why[-1]
+
+
+def test_the_recipes_shape_comes_first_and_the_table_keys_all_a_step_depends_on():
+    recipe = T.parse_command_line(["--preset", "cpu", "--aspect-ratio", "128"])[0]  # the recipe is a candidate's shape
+    assert [T.model_config(s).n_embd for s in T.shape_candidates(recipe)] == [384, 192 + 64]
+    keys = {T.shape_key(r) for r in (recipe, dataclasses.replace(recipe, total_batch_size=8192),
+                                     dataclasses.replace(recipe, device_batch_size=8), dataclasses.replace(recipe,
+                                     architecture=T.Architecture()), dataclasses.replace(recipe, head_dim=128))}
+    assert len(keys) == 5
 
 
 def test_shape_flags_given_beside_the_preset_turn_its_probe_off():
@@ -308,9 +317,27 @@ def test_a_run_with_shape_for_budget_measures_once_per_machine_and_records_its_c
         T.shape_for_budget(recipe, dataclasses.replace(options, compile=True), profile, probe=False)
     with pytest.raises(ValueError, match="--max-steps or several ranks"):
         T.shape_for_budget(dataclasses.replace(recipe, max_steps=5), options, profile)
-    T.measured_table_path().write_text("{not json")
-    with pytest.raises(ValueError, match="is not a table of tokens/s .* delete it to measure again"):
-        T.shape_for_budget(recipe, options, profile)
+    for bad in ("{not json", json.dumps({record["machine"]: {name: 0 for name in table[record["machine"]]}})):
+        T.measured_table_path().write_text(bad)
+        with pytest.raises(ValueError, match="is not a table of tokens/s .* delete it to measure again"):
+            T.shape_for_budget(recipe, options, profile)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(out / "final.pt"))  # a file: no folder for the table there
+    assert T.shape_for_budget(recipe, options, profile)[1]["probe_seconds"]  # measured again, and trains all the same
+    assert "the table of tokens/s is not kept" in capsys.readouterr().out
+
+
+def test_a_resumed_run_takes_the_interrupted_runs_shape_and_probes_nothing(tmp_path, train_main, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    state = tmp_path / "state"
+    state.mkdir()
+    saved = T.recipe_settings(T.parse_command_line([*TINY, "--depth", "3"])[0])
+    (state / "latest.json").write_text(json.dumps({"snapshot": "step_000001", "recipe": saved}))
+    with pytest.raises(Exception):  # no snapshot there to resume: what matters is what ran before it
+        train_main([*TINY, "--shape-for-budget", "--time-budget", "12", "--resume", str(state), "--out-dir",
+                    str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert "--resume: the interrupted run's shape, depth 3, width 96" in printed and "shape probe:" not in printed
 
 
 def test_schedules():

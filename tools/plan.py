@@ -167,20 +167,24 @@ def plan_shape_for_budget(recipe: T.Recipe, options: T.RunOptions, args, target:
     here = T.detect_device_type()
     if target != here or args.ranks != 1:
         raise SystemExit(f"error: --shape-for-budget picks one {target} process's shape from tokens/s measured on "
-                         f"that machine (this one is {here}): run it there with --ranks 1, or --no-shape-for-budget")
+                         f"that machine (this one is {here}): pass --device {here} --ranks 1 to plan for it here, or "
+                         "--no-shape-for-budget for the planner's own rule")
+    if (args.tokens_per_second, args.mfu, args.measured_ranks) != (None, None, None):
+        raise SystemExit("error: --tokens-per-second, --mfu and --measured-ranks feed the planner's own rule; "
+                         "--shape-for-budget reads the tokens/s measured here: drop them, or --no-shape-for-budget")
     try:
-        chosen, shape = T.shape_for_budget(recipe, options, T.device_profile(target, recipe.dtype),
+        chosen, shape = T.shape_for_budget(recipe, options, T.device_profile(target, recipe.dtype, options.peak_tflops),
                                            probe=args.probe or target != "neuron")
+        probed = dataclasses.replace(chosen, seq_len=recipe.seq_len)  # its tokens/s were measured at the recipe's rows
+        with torch.device("meta"):
+            flops = shape["tokens_per_second"][T.shape_key(probed)] * T.GPT(T.model_config(probed)).flops_per_token()
+        plan = plan_run(chosen, 1, chosen.time_budget, flops, f"measured, {shape['table']}", fixed=True)
     except Exception as e:
         if not T.is_input_error(e):
             raise
         raise SystemExit(f"error: {e}") from None
     print("\n".join(shape["why"]))
-    probed = dataclasses.replace(chosen, seq_len=recipe.seq_len)  # its tokens/s were measured at the recipe's rows
-    with torch.device("meta"):
-        flops = shape["tokens_per_second"][T.shape_name(probed)] * T.GPT(T.model_config(probed)).flops_per_token()
-    print(format_plan(plan_run(chosen, 1, chosen.time_budget, flops, f"measured, {shape['table']}", fixed=True),
-                      args.preset))
+    print(format_plan(plan, args.preset))
     return 0
 
 
