@@ -1598,9 +1598,10 @@ def choose_shape(recipe: Recipe, tokens_per_second: dict[str, float], documents:
     what they reach (at most seq_len + 1 tokens of each document). Pure."""
     why, scored = [], []
     for shape in shape_candidates(recipe):
-        tokens = tokens_per_second[shape_key(shape)] * recipe.time_budget
+        speed = tokens_per_second[shape_key(shape)]
+        tokens = speed * recipe.time_budget
         scored.append((expected_bpb(matrix_parameters(shape), tokens), shape))
-        why.append(f"  {shape_name(shape)}: {tokens / recipe.time_budget:,.0f} tokens/s, {tokens / 1e6:.1f}M tokens, "
+        why.append(f"  {shape_name(shape)}: {speed:,.0f} tokens/s, {tokens / 1e6:.1f}M tokens, "
                    f"expected val_bpb {scored[-1][0] - scored[0][0]:+.3f} to the recipe's")
     best_bpb, pick = min(scored, key=lambda s: s[0])
     pick = pick if scored[0][0] - best_bpb >= SHAPE_MARGIN_BPB else recipe
@@ -1644,8 +1645,8 @@ def measured_table_path() -> Path:
 
 def machine_key(profile: DeviceProfile, options: RunOptions) -> str:
     """What a step's speed depends on besides its shape: processor, dtype, compile, threads, torch, this file."""
-    cpu = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text() if profile.type == "cpu" and
-                    Path("/proc/cpuinfo").exists() else "", re.M)
+    info = Path("/proc/cpuinfo").read_text() if profile.type == "cpu" and Path("/proc/cpuinfo").exists() else ""
+    cpu = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
     here = f"{cpu[1]} x {cpu_threads()}" if cpu else torch.cuda.get_device_name() if profile.type == "cuda" else \
         f"{profile.type}, {profile.peak_source}"
     source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
@@ -2071,7 +2072,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                                                            name in given else "")
              for name, setting in used.items()]
     values = {**(PRESETS[args.preset] if args.preset else {}), **from_env, **given}
-    shape_given = sorted(set(SHAPE_FIELDS) & set({**from_env, **given}))
+    shape_given = sorted(set(SHAPE_FIELDS) & (set(from_env) | set(given)))
     if values.get("shape_for_budget") and shape_given and "shape_for_budget" not in given:  # the flag given wins
         values["shape_for_budget"] = False
         notes.append(f"--{shape_given[0].replace('_', '-')} given: the preset's shape probe is off "
