@@ -17,6 +17,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import importlib
@@ -24,6 +25,7 @@ import inspect
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import statistics
@@ -33,7 +35,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -43,8 +44,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from prepare import (TOKENIZER_VOCAB_SIZE, TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, TRAIN_STARTUP_STEPS_EXCLUDED,
-                     TRAIN_TIME_BUDGET_SECONDS, _row_groups_for_split, ensure_tokenizer, evaluate_bpb, get_dist_info,
-                     make_dataloader, print0, record_step_boundary)
+                     TRAIN_TIME_BUDGET_SECONDS, ensure_tokenizer, evaluate_bpb, get_dist_info, make_dataloader, print0,
+                     record_step_boundary)
 
 
 # ======== THE RECIPE ==================================================================================================
@@ -654,9 +655,10 @@ def train(recipe: Recipe, run: Run) -> None:
 def load_for_eval(checkpoint_path: str, device: torch.device) -> GPT:
     """The scorer's entry point: the trained model from checkpoint_path on `device`, in eval mode,
     frozen, with a pure causal forward: logits[:, t] depend only on tokens 0..t of their own row."""
-    config, state, _ = read_checkpoint(checkpoint_path)
+    config, state, meta = read_checkpoint(checkpoint_path)
     try:  # a config field this GPTConfig lacks (TypeError), or weights of another shape
-        model = build_model(GPTConfig(**config), torch.device(device), init=False)
+        trained_in = meta.get("recipe", {}).get("dtype", "auto")  # scored in the dtype it trained in
+        model = build_model(GPTConfig(**config), torch.device(device), trained_in, init=False)
         model.load_state_dict(state, strict=True)
     except (TypeError, RuntimeError) as e:
         raise ValueError(f"{checkpoint_path} does not fit this train.py's GPT with config {config}: "
@@ -835,11 +837,15 @@ class DeviceProfile:
     compile_backend: str
     peak_flops: float  # per process, for MFU: datasheet peak, or measured (cpu)
     peak_source: str
+    dtype_source: str = ""  # how a CPU's dtype was chosen
 
 
-# The CPU peak for MFU: other processes only slow a call, so the best of many ~1 ms calls is the core's speed.
-CPU_PEAK_SIZES = (256, 512, 1024)
-CPU_PEAK_SECONDS, CPU_PEAK_MIN_CALLS = 0.25, 3  # of repeated calls per size
+# A CPU's compute dtype and peak: the model's own matmuls timed in fp32 and in bf16, once per machine and kept (so that
+# two runs of one recipe train alike). A CPUID flag says bf16 exists, not that it is fast: one Xeon without AMX runs
+# it 1.4x slower than fp32, AVX2-only CPUs tens of times slower. One thread, the best of several calls: other
+# processes only slow a call down.
+CPU_MATMUL_MAX_ROWS = 4096  # a micro-batch's rows, at most this many (the rate barely moves past it)
+CPU_MATMUL_CALLS, CPU_MATMUL_SECONDS = 5, 1.0  # per matmul: this many timed calls, fewer once they take this long
 
 
 def cpu_threads() -> int:
@@ -848,22 +854,66 @@ def cpu_threads() -> int:
     return max(1, min(torch.get_num_threads(), usable))
 
 
-def measure_matmul_flops(dtype: torch.dtype, sizes=CPU_PEAK_SIZES, seconds: float = CPU_PEAK_SECONDS) -> float:
-    """Peak matmul FLOP/s of this process on the CPU: the best single-thread matmul times cpu_threads()."""
-    threads, best = torch.get_num_threads(), 0.0
+def model_matmuls(config: GPTConfig, rows: int) -> list[tuple[int, int, int]]:
+    """(rows, in, out) of the matmuls that dominate a step: the MLP's two and the head."""
+    m, d = min(rows, CPU_MATMUL_MAX_ROWS), config.n_embd
+    return [(m, d, 4 * d), (m, 4 * d, d), (m, d, config.vocab_size)]
+
+
+def time_matmuls(shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> float:
+    """Seconds of one call of each matmul in `dtype` on one thread: each the best of its calls after a warm-up."""
+    threads, total = torch.get_num_threads(), 0.0
     torch.set_num_threads(1)
     try:
-        for n in sizes:
-            a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-            torch.matmul(a, b, out=c)  # warm-up
-            calls, end = 0, time.perf_counter() + seconds
-            while calls < CPU_PEAK_MIN_CALLS or time.perf_counter() < end:
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            out, times = a @ b, []  # (the warm-up: the kernel's set-up)
+            while not times or len(times) < CPU_MATMUL_CALLS and sum(times) < CPU_MATMUL_SECONDS:
                 t0 = time.perf_counter()
-                torch.matmul(a, b, out=c)
-                best, calls = max(best, 2 * n**3 / (time.perf_counter() - t0)), calls + 1
+                torch.matmul(a, b, out=out)
+                times.append(time.perf_counter() - t0)
+            total += min(times)
     finally:
         torch.set_num_threads(threads)
-    return best * cpu_threads()
+    return total
+
+
+def machine_file() -> Path:
+    """This machine's measurements, beside the data set (FRONTIER_CACHE_DIR, else ~/.cache/trainium-frontier)."""
+    root = os.environ.get("FRONTIER_CACHE_DIR") or os.environ.get("NEURON_COMPETITION_R1_CACHE_DIR")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "trainium-frontier") / "machine.json"
+
+
+def cpu_name() -> str:
+    """The processor as /proc/cpuinfo names it, and a hash of its flags: one name ("AMD EPYC" in a VM) can cover
+    CPUs with AVX-512 BF16 and without."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name, flags = (re.search(rf"^{key}\s*:\s*(.*)$", info, re.M) for key in ("model name", "flags"))
+    flags_hash = hashlib.sha256((flags[1] if flags else "").encode()).hexdigest()[:8]
+    return f"{name[1] if name else platform.machine()} [flags {flags_hash}]"
+
+
+def measured_cpu_matmuls(shapes: list[tuple[int, int, int]]) -> tuple[dict, str]:
+    """({"fp32": s, "bf16": s}: time_matmuls of `shapes` on this machine, where they are kept): measured the first time
+    and kept in machine_file() under the processor, torch and the shapes; a lock makes ranks started together measure
+    once. Delete the file to measure again (after a run that shared the machine, say)."""
+    path = machine_file()
+    key = f"{cpu_name()} | torch {torch.__version__} | matmuls {shapes}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            table = json.loads(path.read_text()) if path.exists() else {}
+            timings = table.get(key)
+            if timings is not None and not all(math.isfinite(timings[d]) and timings[d] > 0 for d in ("fp32", "bf16")):
+                raise ValueError("a timing that is not a positive number of seconds")
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path} is not this kit's table of matmul timings ({e}): delete it to measure again")
+        if timings is None:
+            timings = table[key] = {"fp32": time_matmuls(shapes, torch.float32),
+                                    "bf16": time_matmuls(shapes, torch.bfloat16)}
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
+    return timings, str(path)
 
 
 def detect_device_type() -> str:
@@ -876,8 +926,9 @@ def detect_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | None:
-    """The autocast dtype of the forward pass: bf16 where the device is fast at it, else fp32 (None)."""
+def compute_dtype_for(device_type: str, dtype: str = "auto", cpu_timings: dict | None = None) -> torch.dtype | None:
+    """The autocast dtype of the forward pass: as given; else bf16 on neuron and on a GPU that has it, and on a CPU
+    where its measured matmuls (measured_cpu_matmuls) run faster in bf16; else fp32 (None)."""
     if dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"--dtype must be auto, bf16 or fp32, got {dtype!r}")
     if dtype != "auto":
@@ -886,33 +937,54 @@ def compute_dtype_for(device_type: str, dtype: str = "auto") -> torch.dtype | No
         return torch.bfloat16
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    # CPUs with AMX / AVX-512 BF16 run bf16 matmuls ~3x faster than fp32; on others bf16 is slow.
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    return torch.bfloat16 if cpu_timings and cpu_timings["bf16"] < cpu_timings["fp32"] else None
 
 
-def device_profile(device_type: str, dtype: str = "auto", peak_tflops: float = 0.0) -> DeviceProfile:
-    """The device's backends, compute dtype and peak FLOP/s per rank (MFU's denominator)."""
-    compute, measure = compute_dtype_for(device_type, dtype), peak_tflops <= 0
+def dtype_name(compute_dtype: torch.dtype | None) -> str:
+    return "bf16" if compute_dtype == torch.bfloat16 else "fp32"
+
+
+def device_profile(device_type: str, dtype: str = "auto", peak_tflops: float = 0.0,
+                   matmuls: list[tuple[int, int, int]] | None = None) -> DeviceProfile:
+    """The device's backends, compute dtype and peak FLOP/s per rank (MFU's denominator); on a CPU both from the
+    model's `matmuls` (model_matmuls) as measured_cpu_matmuls times them."""
     if device_type == "neuron":
         lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))  # physical cores behind one rank
-        profile = DeviceProfile("neuron", "neuron", compute, "neuron", NEURONCORE_BF16_FLOPS * lnc,
-                                f"datasheet, {lnc} NeuronCore(s) per rank")
+        profile = DeviceProfile("neuron", "neuron", compute_dtype_for("neuron", dtype), "neuron",
+                                NEURONCORE_BF16_FLOPS * lnc, f"datasheet, {lnc} NeuronCore(s) per rank")
     elif device_type == "cuda":
         name = torch.cuda.get_device_name()
         datasheet = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
-        peak = datasheet if datasheet is not None else measure_cuda_flops() if measure else 0.0
-        profile = DeviceProfile("cuda", "nccl", compute, "inductor", peak,
+        peak = datasheet if datasheet is not None else measure_cuda_flops() if peak_tflops <= 0 else 0.0
+        profile = DeviceProfile("cuda", "nccl", compute_dtype_for("cuda", dtype), "inductor", peak,
                                 f"datasheet, {name}" if datasheet is not None else f"measured bf16 matmul on {name}")
     elif device_type == "cpu":
-        profile = DeviceProfile("cpu", "gloo", compute, "inductor",
-                                measure_matmul_flops(compute or torch.float32) if measure else 0.0,
-                                f"best 1-thread {'bf16' if compute else 'fp32'} matmul of n = "
-                                f"{'/'.join(map(str, CPU_PEAK_SIZES))} here x {cpu_threads()} threads")
+        if dtype == "auto" or peak_tflops <= 0:
+            if not matmuls:
+                raise ValueError("a CPU's dtype and peak are measured on the model's matmuls: pass them")
+            timings, kept = measured_cpu_matmuls(matmuls)
+            compute = compute_dtype_for("cpu", dtype, timings)
+            seconds = timings[dtype_name(compute)]
+            flops = sum(2 * m * k * n for m, k, n in matmuls)
+            profile = DeviceProfile("cpu", "gloo", compute, "inductor", flops / seconds * cpu_threads(),
+                                    f"the model's matmuls in {dtype_name(compute)}, best 1-thread call here x "
+                                    f"{cpu_threads()} threads",
+                                    f"{dtype_name(compute)}{' (auto)' if dtype == 'auto' else ''}: the model's matmuls "
+                                    f"take {1e3 * timings['bf16']:.1f} ms in bf16 and {1e3 * timings['fp32']:.1f} ms in "
+                                    f"fp32 on one thread here (measured once, kept in {kept})")
+        else:
+            profile = DeviceProfile("cpu", "gloo", compute_dtype_for("cpu", dtype), "inductor", 0.0, "")
     else:
         raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
     if peak_tflops > 0:
         return dataclasses.replace(profile, peak_flops=peak_tflops * 1e12, peak_source="given (--peak-tflops)")
     return profile
+
+
+def device_profile_for(recipe: Recipe, device_type: str, peak_tflops: float = 0.0) -> DeviceProfile:
+    """The profile a run of `recipe` gets: on a CPU, its dtype and peak from the model's own matmuls."""
+    rows = recipe.device_batch_size * recipe.seq_len
+    return device_profile(device_type, recipe.dtype, peak_tflops, model_matmuls(model_config(recipe), rows))
 
 
 def measure_cuda_flops(n: int = 8192, warmup: int = 3, repeats: int = 10) -> float:
@@ -1541,155 +1613,6 @@ def batch_geometry(total_batch_size: int, device_batch_size: int, seq_len: int, 
     return BatchGeometry(total_batch_size, rows, seq_len, world_size, rows_per_rank // rows, note)
 
 
-# ---- The shape for the budget (--shape-for-budget, on in the cpu preset): measured tokens/s and a fitted rule -------
-# The shapes measured beside the recipe's own: width 384 keeps a fast bf16 matmul unit (AMX) busy where 192 leaves it
-# idle; depth 4 at width 256 is the CPU campaign's "one size up".
-SHAPE_CANDIDATES = (dict(depth=4, aspect_ratio=64), dict(depth=3, aspect_ratio=128))
-# val_bpb ~ E + A / N^alpha + B / D^beta, N the blocks' matrix parameters and D the tokens trained: the fit of
-# benchmarks/shape_rule.py to the CPU campaign (rms error 0.034 bpb). E is the text's, the same for every shape.
-SHAPE_FIT = dict(A=89.87, alpha=0.425, B=431.2, beta=0.45)
-SHAPE_MARGIN_BPB = 0.02  # the fit must expect a candidate this much better than the recipe's shape (300-s seed spread)
-SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "seq_len", "total_batch_size", "device_batch_size")  # it picks
-SHAPE_PROBE_STEPS = (2, 3)  # per shape: steps that compile and warm up, then steps timed
-# A row starts at a document's start, so rows of 256 train only each document's first 257 tokens. Once a run has read
-# those about twice, rows twice as long win (the crossing: 1.3-2.1 passes, 256 to 512; docs/presets-and-benchmarks.md).
-MAX_PASSES = 2.0
-
-
-def shape_name(recipe: Recipe) -> str:
-    c = model_config(recipe)
-    return f"depth {c.n_layer}, width {c.n_embd}, rows of {recipe.seq_len}"
-
-
-def shape_key(recipe: Recipe) -> str:
-    """A shape's entry in the table: its name, and a hash of all in the recipe that a step's speed depends on."""
-    what = json.dumps([asdict(model_config(recipe)), recipe.total_batch_size, recipe.device_batch_size, recipe.dtype])
-    return f"{shape_name(recipe)} [{hashlib.sha256(what.encode()).hexdigest()[:8]}]"
-
-
-def shape_candidates(recipe: Recipe) -> list[Recipe]:
-    """The recipe's own shape first, then SHAPE_CANDIDATES' (at the recipe's head size, rows and batch), each once."""
-    shapes = {}
-    for shape in [recipe] + [dataclasses.replace(recipe, **c) for c in SHAPE_CANDIDATES]:
-        shapes.setdefault(shape_name(shape), shape)
-    return list(shapes.values())
-
-
-def matrix_parameters(recipe: Recipe) -> int:
-    """The fit's N: the parameters of the blocks' matrices (no embedding table, no head)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(model_config(recipe)).blocks.parameters() if p.ndim == 2)
-
-
-def expected_bpb(matrix_params: int, tokens: float) -> float:
-    """SHAPE_FIT's val_bpb less the text's constant: it compares shapes on one text, nothing more."""
-    return SHAPE_FIT["A"] * matrix_params ** -SHAPE_FIT["alpha"] + SHAPE_FIT["B"] * tokens ** -SHAPE_FIT["beta"]
-
-
-def training_documents() -> int:
-    """Documents in the training split, from the shards' parquet metadata (nothing is read)."""
-    return sum(pq.ParquetFile(path).metadata.row_group(group).num_rows
-               for path, group in _row_groups_for_split("train", 0, 1))
-
-
-def choose_shape(recipe: Recipe, tokens_per_second: dict[str, float], documents: int) -> tuple[Recipe, list[str]]:
-    """(the shape, why): the candidate the fit expects best from its tokens/s over the budget (by shape_key), if by
-    SHAPE_MARGIN_BPB over the recipe's own; its rows doubled where they would pass MAX_PASSES times or more over
-    what they reach (at most seq_len + 1 tokens of each document). Pure."""
-    why, scored = [], []
-    for shape in shape_candidates(recipe):
-        speed = tokens_per_second[shape_key(shape)]
-        tokens = speed * recipe.time_budget
-        scored.append((expected_bpb(matrix_parameters(shape), tokens), shape))
-        why.append(f"  {shape_name(shape)}: {speed:,.0f} tokens/s, {tokens / 1e6:.1f}M tokens, "
-                   f"expected val_bpb {scored[-1][0] - scored[0][0]:+.3f} to the recipe's")
-    best_bpb, pick = min(scored, key=lambda s: s[0])
-    pick = pick if scored[0][0] - best_bpb >= SHAPE_MARGIN_BPB else recipe
-    tokens, rows = tokens_per_second[shape_key(pick)] * recipe.time_budget, pick.seq_len
-    passes = tokens / (documents * (rows + 1))
-    pick = dataclasses.replace(pick, seq_len=2 * rows) if passes >= MAX_PASSES else pick
-    why.append(f"picked {shape_name(pick)} (--shape-for-budget): the best expected val_bpb in {recipe.time_budget:.0f}s"
-               f" (by {SHAPE_MARGIN_BPB} to leave the recipe's shape); {tokens / 1e6:.1f}M tokens pass {passes:.1f} "
-               f"times over the first {rows + 1} tokens of {documents:,} documents (rows doubled from {MAX_PASSES:g})")
-    return pick, why
-
-
-def random_batches(rows: int, seq_len: int, device: torch.device, vocab_size: int = TOKENIZER_VOCAB_SIZE):
-    """Endless (inputs, targets, state) of random tokens: a step's time does not depend on the text."""
-    while True:
-        x = torch.randint(0, vocab_size, (rows, seq_len + 1), device=device)
-        yield x[:, :-1], x[:, 1:], {}
-
-
-def time_training_steps(recipe: Recipe, options: RunOptions, profile: DeviceProfile, device: torch.device,
-                        warmup: int, steps: int) -> tuple[float, float]:
-    """(seconds of the first `warmup` steps, median seconds of the `steps` after them): the recipe's model trained on
-    random tokens in one process, compiled where options say, as a run trains it."""
-    model = build_model(model_config(recipe), device, recipe.dtype)
-    optimizer = build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
-    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
-    geometry = batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
-    data, seconds = random_batches(geometry.device_batch_size, recipe.seq_len, device), []
-    for _ in range(warmup + steps):
-        t0 = time.perf_counter()
-        train_step(step_model, optimizer, data, geometry.grad_accum_steps)
-        synchronize(device)
-        seconds.append(time.perf_counter() - t0)
-    return sum(seconds[:warmup]), statistics.median(seconds[warmup:])
-
-
-def measured_table_path() -> Path:
-    """Tokens/s by machine and shape, measured once and kept (delete it to measure again)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainium-frontier-shapes.json"
-
-
-def machine_key(profile: DeviceProfile, options: RunOptions) -> str:
-    """What a step's speed depends on besides its shape: processor, dtype, compile, threads, torch, this file."""
-    info = Path("/proc/cpuinfo").read_text() if profile.type == "cpu" and Path("/proc/cpuinfo").exists() else ""
-    cpu = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
-    here = f"{cpu[1]} x {cpu_threads()}" if cpu else torch.cuda.get_device_name() if profile.type == "cuda" else \
-        f"{profile.type}, {profile.peak_source}"
-    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    return (f"{here} | {profile.compute_dtype or 'fp32'} | compile {options.compile} | torch {torch.__version__} | "
-            f"train.py {source}")
-
-
-def shape_for_budget(recipe: Recipe, options: RunOptions, profile: DeviceProfile, probe: bool = True) -> tuple[
-        Recipe, dict]:
-    """choose_shape() from each candidate's tokens/s on this machine: read from measured_table_path(), or measured here
-    (SHAPE_PROBE_STEPS, before step 0: start-up, not charged) and added to it where `probe`. Returns the shape and
-    a record of the choice for the run folder."""
-    if recipe.max_steps > 0 or get_dist_info()[3] > 1:
-        raise ValueError("--shape-for-budget picks one process's shape for a time budget: with --max-steps or several "
-                         "ranks, give the shape's flags (tools/plan.py prints them), or --no-shape-for-budget")
-    path, key, probed, documents = measured_table_path(), machine_key(profile, options), {}, training_documents()
-    try:
-        table = json.loads(path.read_text()) if path.exists() else {}
-        measured = table.setdefault(key, {})
-        if not all(math.isfinite(float(v)) and float(v) > 0 for v in measured.values()):
-            raise ValueError("a value that is not a positive number of tokens/s")
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} is not a table of tokens/s ({e}): delete it to measure again") from None
-    for shape in [s for s in shape_candidates(recipe) if shape_key(s) not in measured]:
-        if not probe:
-            raise ValueError(f"--shape-for-budget: no tokens/s of {shape_name(shape)} for {key} in {path}; measure "
-                             "them on this machine: python tools/plan.py --probe (the same flags)")
-        warm, step = time_training_steps(shape, options, profile, torch.device(profile.type), *SHAPE_PROBE_STEPS)
-        name = shape_key(shape)
-        measured[name], probed[name] = shape.total_batch_size / step, warm + step * SHAPE_PROBE_STEPS[1]
-        print0(f"shape probe: {shape_name(shape)}: {measured[name]:,.0f} tokens/s ({probed[name]:.0f}s, compile "
-               "included)")
-        try:
-            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
-        except OSError as e:  # measured all the same; the next run measures again
-            notice_once(f"the table of tokens/s is not kept ({e})")
-    if probed and options.compile:
-        torch._dynamo.reset()  # the probes' graphs go: dynamo keeps 8 per function (cache_size_limit), the run's next
-    pick, why = choose_shape(recipe, measured, documents)
-    return pick, {"shape": shape_name(pick), "why": why, "tokens_per_second": measured, "table": str(path),
-                  "machine": key, "probe_seconds": probed}
-
-
 # ---- The budget clock: charged time, kept by train.py itself as the organisers' baseline keeps it --------------------
 # Charged time = wall time since the process started, minus the start-up allowance, plus earlier processes'.
 def clock_seconds() -> float:
@@ -1739,7 +1662,7 @@ class BudgetClock:
 
 
 # ---- The run folder: out_dir holds final.pt and what a person looks at, and never loses an earlier run ---------------
-RUN_FILES = ("final.pt", "log.txt", "summary.json", "metrics.jsonl", "loss.png", "shape.json")  # state/: --resume
+RUN_FILES = ("final.pt", "log.txt", "summary.json", "metrics.jsonl", "loss.png")  # state/: --resume
 
 
 def keep_previous_run(out_dir: Path) -> None:
@@ -1927,7 +1850,6 @@ class RunOptions:
     save_every: float = 0.0  # seconds between resumable snapshots in out_dir/state (0: none)
     resume: str = ""  # continue the run whose snapshots are in this folder (e.g. out/state), same recipe
     log_every: int = 10  # print a progress line every this many steps
-    shape_for_budget: bool = False  # measure SHAPE_CANDIDATES' tokens/s here, train the one choose_shape picks
     peak_tflops: float = 0.0  # the peak TFLOP/s per rank that MFU divides by (0: the datasheet's, or measured)
     eval_public: bool = True  # score public_val at the end of the run (every rank takes part)
     eval_tokens: int = 4 * 524_288  # tokens of public_val scored at the end, as the organisers' baseline (0: skip)
@@ -1954,11 +1876,9 @@ ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL"
 
 PRESETS = {
     # A laptop CPU for 5 minutes: benchmarks/preset_sweep.py's winner at 300 s on 2 cores; compiled (eager elementwise
-    # work on the 8192-wide logits dominates a CPU step); a wider or deeper shape where this machine runs it fast
-    # enough (SHAPE_CANDIDATES), and rows of 512 where rows of 256 would be read twice (choose_shape).
+    # work on the 8192-wide logits dominates a CPU step). For 15 minutes, add --seq-len 512 (tools/plan.py --shapes).
     "cpu": dict(depth=3, aspect_ratio=64, head_dim=64, seq_len=256, device_batch_size=16, total_batch_size=2**12,
-                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, shape_for_budget=True,
-                **ADOPTED_INGREDIENTS),
+                compile=True, time_budget=300.0, eval_tokens=2**18, log_every=20, **ADOPTED_INGREDIENTS),
     # One CUDA GPU for 5 minutes, autoresearch-sized, compiled as autoresearch is (fused elementwise work).
     "gpu": dict(depth=8, seq_len=2048, device_batch_size=32, total_batch_size=2**18, compile=True, time_budget=300.0,
                 **ADOPTED_INGREDIENTS),
@@ -2072,11 +1992,6 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                                                            name in given else "")
              for name, setting in used.items()]
     values = {**(PRESETS[args.preset] if args.preset else {}), **from_env, **given}
-    shape_given = sorted(set(SHAPE_FIELDS) & (set(from_env) | set(given)))
-    if values.get("shape_for_budget") and shape_given and "shape_for_budget" not in given:  # the flag given wins
-        values["shape_for_budget"] = False
-        notes.append(f"--{shape_given[0].replace('_', '-')} given: the preset's shape probe is off "
-                     "(--shape-for-budget turns it on)")
     recipe, architecture, options = ({f.name: values[f.name] for f in kind_fields(kind) if f.name in values}
                                      for kind in SETTING_KINDS)
     return Recipe(**recipe, architecture=Architecture(**architecture)), RunOptions(**options), notes
@@ -2086,24 +2001,16 @@ def main(argv=None) -> int:
     recipe, options, notes = parse_command_line(argv)
     device_type = options.device if options.device not in ("", "auto") else detect_device_type()
     setup_kernels(options, device_type, model_config(recipe))  # a malformed model flag fails here, before any data
-    profile = device_profile(device_type, recipe.dtype, options.peak_tflops)
-    shape = None
-    if options.shape_for_budget and options.resume:  # the interrupted run's shape, whatever the table says now
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # else load_snapshot says what is wrong
-            saved = json.loads((Path(options.resume) / "latest.json").read_text())["recipe"]
-            recipe = dataclasses.replace(recipe, **{name: saved[name] for name in SHAPE_FIELDS})
-            notes.append(f"--resume: the interrupted run's shape, {shape_name(recipe)} (no shape probe)")
-    elif options.shape_for_budget:  # on neuron, from the table only: compiling each candidate takes minutes there
-        recipe, shape = shape_for_budget(recipe, options, profile, probe=profile.type != "neuron")
-        notes += shape["why"]
+    profile = device_profile_for(recipe, device_type, options.peak_tflops)
+    if profile.dtype_source:
+        notes.append(f"compute dtype {profile.dtype_source}")
+    recipe = dataclasses.replace(recipe, dtype=dtype_name(profile.compute_dtype))  # what the checkpoint records
     device, rank, world_size = init_distributed(profile)
     torch.manual_seed(recipe.seed)
     stdout = sys.stdout
     if rank == 0:  # the run's log beside its checkpoint, an earlier run's files kept
         keep_previous_run(Path(options.out_dir))
         sys.stdout = Tee(stdout, Path(options.out_dir) / "log.txt")
-        if shape:
-            write_atomically(Path(options.out_dir) / "shape.json", lambda t: t.write_text(json.dumps(shape, indent=1)))
     for note in notes:
         print0(note)
     try:

@@ -370,7 +370,7 @@ def run_queue(args) -> int:
         cuda_count = torch.cuda.device_count()
     slots = plan_slots(device, args.slots, os.environ, usable_cores(), cuda_count)
     train_args = shlex.split(args.train_args) if args.train_args is not None else \
-        (["--preset", "cpu", "--no-shape-for-budget"] if device == "cpu" else [])  # one shape for every experiment
+        (["--preset", "cpu"] if device == "cpu" else [])
     settings = Settings(device, args.budget, args.timeout or 2 * args.budget, args.eval_tokens, train_args, branch)
     lock = hold_loop_lock()
     try:
@@ -507,7 +507,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-tokens", type=int, default=DEFAULT_EVAL_TOKENS, help="public_val tokens to score")
     p.add_argument("--device", default=None, help="neuron, cuda or cpu (default: the fastest present)")
     p.add_argument("--train-args", default=None,
-                   help="extra train.py flags (default on a CPU: --preset cpu --no-shape-for-budget)")
+                   help="extra train.py flags (default on a CPU: --preset cpu)")
     p.set_defaults(func=run_queue)
     p = sub.add_parser("queue", help="queue commits (default: HEAD, then back to the best commit)")
     p.add_argument("commits", nargs="*", help="commits to train (default: HEAD)")

@@ -137,14 +137,13 @@ def stage_environment(device: str) -> dict:
 
 
 def stage_peak(device: str) -> dict:
-    import torch
     import train as T
     if device == "cuda":
         flops = [T.measure_cuda_flops() for _ in range(3)]
         return {"tflops": sorted(flops)[1] / 1e12, "tflops_runs": [f / 1e12 for f in flops],
                 "how": "bf16 8192^3 matmul, median of 10 after 3 warm-ups (train.measure_cuda_flops); median of 3 runs"}
-    dtype = T.compute_dtype_for("cpu") or torch.float32
-    return {"tflops": T.measure_matmul_flops(dtype) / 1e12, "how": f"train.measure_matmul_flops ({dtype})"}
+    profile = T.device_profile_for(T.parse_command_line(["--preset", "cpu"])[0], "cpu")  # (the rehearsal)
+    return {"tflops": profile.peak_flops / 1e12, "how": f"train.device_profile_for, cpu preset ({profile.peak_source})"}
 
 
 def stage_attention(device: str, rehearsal: bool) -> dict:

@@ -262,12 +262,13 @@ def write_tokenizer(base: Path) -> dict:
 
 
 def nanochat_dtype(device: str, dtype: str) -> str:
-    """NANOCHAT_DTYPE for --dtype: auto is the kit's choice (train.compute_dtype_for): bf16 on a GPU, and on
-    a CPU where it is fast at bf16 (AVX-512 BF16 or AMX), else fp32."""
+    """NANOCHAT_DTYPE for --dtype: auto is the kit's choice for its preset on this device (bf16 on a GPU; on a CPU
+    the faster of bf16 and fp32 as train.py measures the cpu preset's matmuls)."""
     if dtype == "auto":
         sys.path.insert(0, str(REPO))
-        from train import compute_dtype_for
-        dtype = "bf16" if compute_dtype_for(device) is not None else "fp32"
+        import train
+        recipe = train.parse_command_line(["--preset", "cpu" if device == "cpu" else "gpu"])[0]
+        dtype = train.dtype_name(train.device_profile_for(recipe, device).compute_dtype)
     return {"bf16": "bfloat16", "fp32": "float32"}[dtype]
 
 

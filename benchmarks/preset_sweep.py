@@ -52,8 +52,6 @@ SHAPES = {
                          "--total-batch-size", "4096", "--device-batch-size", "16"],
     "d3-w192-s512-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                          "--total-batch-size", "4096"],
-    # the cpu preset with its rows picked from the budget (--rows-for-budget then; its shape and rows now)
-    "rows-for-budget": ["--shape-for-budget"],
     "d3-w192-s1024-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "1024",
                           "--total-batch-size", "4096", "--device-batch-size", "4"],
     "d6-w384-s512-b4k": ["--depth", "6", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
@@ -67,7 +65,7 @@ SHAPES = {
     "d3-w192-s256-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "256",
                          "--total-batch-size", "4096", "--device-batch-size", "16"],  # one micro-batch, like the others
     # the cpu preset's shape with its rows held at 256 whatever the budget
-    "rows-256": ["--seq-len", "256", "--no-shape-for-budget"],
+    "rows-256": ["--seq-len", "256"],
     "d3-w384-s256-b4k": ["--depth", "3", "--aspect-ratio", "128", "--head-dim", "64", "--seq-len", "256",
                          "--total-batch-size", "4096", "--device-batch-size", "16"],  # the probe's wide candidate
     "d4-w192-s512-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "512",
@@ -134,10 +132,9 @@ def host_name(device: str) -> str:
 
 
 def dtype_name(device: str, extra: str) -> str:
-    """The compute dtype train.py picks for these runs (its --dtype from --extra, else auto)."""
-    words = extra.split()
-    chosen = words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else "auto"
-    return "bf16" if T.compute_dtype_for(device, chosen) == torch.bfloat16 else "fp32"
+    """The compute dtype train.py picks for the cpu preset's runs here (its --dtype from --extra, else auto)."""
+    recipe = T.parse_command_line(["--preset", "cpu", *extra.split()])[0]
+    return T.dtype_name(T.device_profile_for(recipe, device).compute_dtype)
 
 
 class ResultsTable:

@@ -1,8 +1,8 @@
-"""The fit behind train.py's SHAPE_FIT (--shape-for-budget, the cpu preset): val_bpb ~ E + A / N^alpha + B / D^beta
-over the CPU campaign's finished runs, N the blocks' matrix parameters (train.matrix_parameters) and D the tokens
+"""The fit behind tools/plan.py's SHAPE_FIT (its --shapes advice): val_bpb ~ E + A / N^alpha + B / D^beta
+over the CPU campaign's finished runs, N the blocks' matrix parameters (plan.matrix_parameters) and D the tokens
 trained, one E per text and machine (a run's number depends on both; the shapes' differences do not, in this form).
 
-    python benchmarks/shape_rule.py            # the fit, its residuals, and whether train.py holds it
+    python benchmarks/shape_rule.py            # the fit, its residuals, and whether tools/plan.py holds it
 
 The runs: every line of benchmarks/results/presets.tsv with the adopted ingredients (`as-is`) on a host that was
 recorded, and the first shape sweep at 300 s (docs/presets-and-benchmarks.md, "The CPU preset, chosen by
@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import preset_sweep as S  # noqa: E402
 import train as T  # noqa: E402
+from tools import plan as P  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "presets.tsv"
 # The first sweep (300 s, stdlib, one seed, before the ingredients): (shape, tokens trained, val_bpb), as its table.
@@ -39,7 +40,7 @@ def recipe_of(shape: str, ingredients: str) -> T.Recipe:
 
 def campaign_runs(path: Path = RESULTS) -> list[tuple[str, int, float, float]]:
     """(group, N, tokens, val_bpb) of every run the fit reads."""
-    runs = [("first sweep (stdlib, no ingredients)", T.matrix_parameters(recipe_of(shape, "off")), tokens, bpb)
+    runs = [("first sweep (stdlib, no ingredients)", P.matrix_parameters(recipe_of(shape, "off")), tokens, bpb)
             for shape, tokens, bpb in FIRST_SWEEP]
     with open(path) as f:
         for r in csv.DictReader(f, delimiter="\t"):
@@ -48,10 +49,10 @@ def campaign_runs(path: Path = RESULTS) -> list[tuple[str, int, float, float]]:
             recipe = recipe_of(r["shape"], "as-is")
             with torch.device("meta"):
                 params = T.GPT(T.model_config(recipe)).num_params() / 1e6
-            if abs(params - float(r["params_M"])) > 0.05:  # a preset run whose shape probe picked another shape
+            if abs(params - float(r["params_M"])) > 0.05:  # a preset run whose shape was picked otherwise
                 print(f"skipped: {r['shape']} seed {r['seed']} ({r['params_M']}M parameters, not {params:.1f}M)")
                 continue
-            runs.append((f"{r['text']}, {r['dtype']}, {r['host']}", T.matrix_parameters(recipe),
+            runs.append((f"{r['text']}, {r['dtype']}, {r['host']}", P.matrix_parameters(recipe),
                          float(r["tokens_M"]) * 1e6, float(r["val_bpb"])))
     return runs
 
@@ -81,10 +82,10 @@ def main() -> int:
     for g, n, d, bpb in runs:
         fitted = f["E"][g] + f["A"] * n ** -f["alpha"] + f["B"] * d ** -f["beta"]
         print(f"| {g} | {n / 1e6:.2f} | {d / 1e6:.1f} | {bpb:.4f} | {fitted:.4f} |")
-    held = T.SHAPE_FIT
+    held = P.SHAPE_FIT
     same = abs(held["alpha"] - f["alpha"]) < 1e-9 and abs(held["beta"] - f["beta"]) < 1e-9 and \
         abs(held["A"] / f["A"] - 1) < 0.01 and abs(held["B"] / f["B"] - 1) < 0.01
-    print(f"\ntrain.py's SHAPE_FIT {held}: {'the same fit' if same else 'NOT this fit: paste the line above'}")
+    print(f"\ntools/plan.py's SHAPE_FIT {held}: {'the same fit' if same else 'NOT this fit: paste the line above'}")
     return 0 if same else 1
 
 

@@ -1,7 +1,8 @@
 """The kit's `--preset cpu` against nanochat at equal wall time, on a text of your own, with one scorer.
 
     python benchmarks/side_by_side.py --nanochat nanochat-92d63d4.tar.gz --text ~/mytext --work ~/sbs --seconds 425
-    python benchmarks/side_by_side.py ... --multiples 1,3 --nanochat-shapes defaults,kit   # 3x too; nanochat twice
+    python benchmarks/side_by_side.py ... --nanochat-shapes defaults,kit   # nanochat at two shapes
+    python benchmarks/side_by_side.py ... --multiples 3 --kit-args "--seq-len 512"   # 3x, the rows plan.py advises
 
 --text is a folder of .txt, .jsonl or .parquet files (jsonl and parquet need a `text` column or key). It is
 prepared as a dataset of its own (`prepare.py setup --source dir:TEXT --build-tokenizer-if-missing`): the
@@ -15,11 +16,12 @@ files are written from that tokenizer, so both models see the same tokens). Then
    runs as a dense mask) and `kit` (the kit's preset shape: depth 3, width 192 in heads of 64, rows of 256,
    4,096 tokens a step, full context). A run whose training time misses its target by more than 5 % (a
    disturbed machine) is run again once, and the table says if it still misses;
-2. the kit's `train.py --preset cpu --time-budget T`, T = the training seconds of nanochat's first shape's run
-   (`--dtype auto`: the same dtype);
+2. the kit's `train.py --preset cpu --time-budget T` (and --kit-args), T = the training seconds of nanochat's first
+   shape's run;
 3. every checkpoint scored by the kit's scorer (`prepare.py eval-public --seq-len 512`, the same tokens of
-   the text's public_val; 512 is the longest context all trained on), in one dtype: the kit's load_for_eval's
-   (bf16 on a CPU with fast bf16), nanochat's adapter set to the same.
+   the text's public_val; 512 is the longest context all trained on).
+Every run trains, and is scored, in the dtype `--preset cpu` takes on this machine (measured: train.py's
+device_profile_for), nanochat's adapter set to the same.
 It prints progress once a minute and one markdown table at the end, also written to WORK/table.md (the text
 named by its folder's name, no path). A finished part (its summary and its score on disk) is kept and read
 back, never run again: rerun after a crash to finish the rest. At 1x of 425 s each multiple takes about 25
@@ -80,11 +82,17 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def scoring_adapter(work: Path) -> Path:
-    """nanochat's adapter set to score in the dtype the kit's load_for_eval scores in on this machine."""
+def preset_dtype() -> str:
+    """The dtype --preset cpu trains in on this machine (bf16 or fp32), as train.py measures it."""
     sys.path.insert(0, str(REPO))
     import train
-    dtype = str(train.compute_dtype_for("cpu") or "torch.float32")
+    recipe = train.parse_command_line(["--preset", "cpu"])[0]
+    return train.dtype_name(train.device_profile_for(recipe, "cpu").compute_dtype)
+
+
+def scoring_adapter(work: Path, dtype: str) -> Path:
+    """nanochat's adapter set to score in `dtype`, the dtype the kit's checkpoint trained and is scored in."""
+    dtype = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}[dtype]
     text = ADAPTER.read_text()
     if "\nSCORE_DTYPE = None" not in text:
         raise Failed(f"{ADAPTER} has no SCORE_DTYPE line to set")
@@ -112,7 +120,7 @@ def missed(summary: dict, target: float) -> bool:
     return abs(summary["training_seconds"] - target) > TIME_SLACK * target
 
 
-def train_nanochat(work: Path, here: Path, shape: str, target: float, env: dict) -> dict:
+def train_nanochat(work: Path, here: Path, shape: str, target: float, env: dict, dtype: str) -> dict:
     """nanochat's run at a shape for `target` training seconds: kept, or run (once more where it misses)."""
     out = here / f"nanochat-{shape}"
     summary = read_json(out / "summary.json")
@@ -121,7 +129,7 @@ def train_nanochat(work: Path, here: Path, shape: str, target: float, env: dict)
                                                          and not summary.get("rerun")):
             break
         run([sys.executable, PEER, "train", "--work", work / "peer", "--out", out, "--device", "cpu",
-             "--dtype", "auto", "--seconds", f"{target:g}", *NANOCHAT_SHAPES[shape]], env, here / f"nanochat-{shape}.log")
+             "--dtype", dtype, "--seconds", f"{target:g}", *NANOCHAT_SHAPES[shape]], env, here / f"nanochat-{shape}.log")
         summary = read_json(out / "summary.json")
         if summary and attempt == 0 and missed(summary, target):
             print(f"[side-by-side] nanochat ({shape}) trained {summary['training_seconds']:.0f}s for a target of "
@@ -144,22 +152,23 @@ def side_by_side(args) -> list[dict]:
     if not (work / "peer" / "nanochat").exists():
         run([sys.executable, PEER, "prepare", "--snapshot", Path(args.nanochat).expanduser().resolve(), "--work",
              work / "peer"], env, work / "peer-prepare.log")
-    adapter = scoring_adapter(work)
+    dtype = preset_dtype()
+    adapter = scoring_adapter(work, dtype)
     rows = []
     for m in args.multiples:
         here, target = work / f"{m:g}x", m * args.seconds
-        nanochat = {shape: train_nanochat(work, here, shape, target, env) for shape in args.nanochat_shapes}
+        nanochat = {shape: train_nanochat(work, here, shape, target, env, dtype) for shape in args.nanochat_shapes}
         seconds = nanochat[args.nanochat_shapes[0]]["training_seconds"]
         kit = read_json(here / "kit" / "summary.json")
         if not kit:
             run([sys.executable, REPO / "train.py", "--preset", "cpu", "--time-budget", f"{seconds:.1f}",
-                 "--dtype", "auto", "--no-eval-public", "--device", "cpu", "--out-dir", here / "kit"], env,
-                here / "kit.log")
+                 "--dtype", dtype, "--no-eval-public", "--device", "cpu", *args.kit_args.split(), "--out-dir",
+                 here / "kit"], env, here / "kit.log")
             kit = read_json(here / "kit" / "summary.json")
         bpb = {shape: score(adapter, here / f"nanochat-{shape}" / "final.pt", here / f"nanochat-{shape}-score.json",
                             env, args.max_tokens) for shape in args.nanochat_shapes}
         kit_bpb = score(REPO / "train.py", here / "kit" / "final.pt", here / "kit-score.json", env, args.max_tokens)
-        shape = (read_json(here / "kit" / "shape.json") or {}).get("shape", f"rows of {kit.get('seq_len', '?')}")
+        shape = " ".join(["--preset cpu", *args.kit_args.split()]) + f": d{kit['depth']}, rows of {kit['seq_len']}"
         rows.append({"multiple": m, "target": target, "seconds": seconds, "nanochat": nanochat,
                      "kit": {**kit, "first_step_seconds": kit_first_step(here / "kit"), "shape": shape,
                              "tokens": kit["num_steps"] * kit_batch_tokens()},
@@ -208,8 +217,8 @@ def table(rows: list[dict], text: str) -> str:
         kit = r["kit"]
         change = 100 * (r["kit_bpb"] - r["nanochat_bpb"][first]) / r["nanochat_bpb"][first]
         lines.append(f"| {r['multiple']:g}x (trained {kit.get('training_seconds', 0):.0f} s) | kit `--preset cpu` "
-                     f"({kit['shape']}, {kit['compute_dtype']}; start-up {float(kit.get('startup_seconds', 0)):.0f} s, "
-                     f"its shape probe included) | {kit['num_steps']} | "
+                     f"({kit['shape']}, {kit['compute_dtype']}; start-up {float(kit.get('startup_seconds', 0)):.0f} s) "
+                     f"| {kit['num_steps']} | "
                      f"{kit['tokens'] / 1e6:.2f} | {kit['tokens_per_second']:,.0f} | "
                      f"{kit['first_step_seconds']:.1f} | {kit['mfu_percent']:.1f} % | {r['kit_bpb']:.4f} | "
                      f"{change:+.1f} % |")
@@ -228,6 +237,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(NANOCHAT_SHAPES)} (default: defaults); the kit gets the "
                              "first one's training seconds")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens scored (default: the official count)")
+    parser.add_argument("--kit-args", default="", help="flags added to the kit's --preset cpu (e.g. \"--seq-len 512\" "
+                        "for a 3x cell, as tools/plan.py --shapes advises)")
     args = parser.parse_args(argv)
     try:
         args.multiples = [float(m) for m in args.multiples.split(",")]

@@ -2,11 +2,11 @@
 random tokens (the loader's share), then torch.profiler over steps after warm-up (compilation), each op's
 time on the training thread grouped into what it is, and the gaps between ops (Python and dispatch).
 
-    python benchmarks/step_profile.py --preset cpu                   # in the machine's fast dtype (--dtype auto)
+    python benchmarks/step_profile.py --preset cpu                   # in the dtype a run takes here (--dtype auto)
     python benchmarks/step_profile.py --preset cpu --dtype fp32      # any train.py flag changes the run
 
-Run it alone: the step shares two cores with nothing else. It profiles the shape the flags give (the
-cpu preset's --shape-for-budget choice is made by train.py for a run: give its flags for the shape it picked). The loader's share needs a prepared dataset
+Run it alone: the step shares two cores with nothing else. It profiles the shape the flags give. The loader's share
+needs a prepared dataset
 (`python prepare.py setup --source stdlib`). MFU = model FLOPs per token x tokens/s / the peak measured here."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import train as T  # noqa: E402
+from tools import plan as P  # noqa: E402
 
 # What an op is, by its name (first match wins); inductor's fused kernels are named when it profiles them.
 CATEGORIES = (
@@ -70,13 +71,10 @@ def main() -> int:
     recipe, options, _ = T.parse_command_line(train_flags)
     torch._inductor.config.cpp.enable_kernel_profile = True  # name inductor's kernels in the profile
     device_type = options.device if options.device not in ("", "auto") else T.detect_device_type()
-    prof = T.device_profile(device_type, recipe.dtype, options.peak_tflops)
-    if options.shape_for_budget:
-        print(f"{T.shape_name(recipe)}, as the flags give it: --shape-for-budget is train.py's choice, for a run "
-              "(give the flags of the shape it picked, in the run's shape.json)")
+    prof = T.device_profile_for(recipe, device_type, options.peak_tflops)
     device = torch.device(device_type)
     torch.manual_seed(recipe.seed)
-    model = T.build_model(T.model_config(recipe), device, recipe.dtype)
+    model = T.build_model(T.model_config(recipe), device, T.dtype_name(prof.compute_dtype))
     optimizer = T.build_optimizer(model, recipe, options, prof.compute_dtype, prof.compile_backend)
     step_model = torch.compile(model, backend=prof.compile_backend, dynamic=False) if options.compile else model
     geometry = T.batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
@@ -86,7 +84,7 @@ def main() -> int:
           f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"peak {prof.peak_flops / 1e12:.3f} TFLOP/s ({prof.peak_source})", flush=True)
 
-    fake = T.random_batches(geometry.device_batch_size, recipe.seq_len, device)
+    fake = P.random_batches(geometry.device_batch_size, recipe.seq_len, device)
     seconds_per_step(step_model, optimizer, fake, accumulation, args.warmup)
     rows = [("random tokens", fake)]
     try:

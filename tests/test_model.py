@@ -1,5 +1,5 @@
 """train.py's model and devices sections: the training loss (what the scorer reads, an edit to it, torch.compile
-through the gpu preset) and the CPU matmul peak."""
+through the gpu preset) and a CPU's dtype and peak, measured."""
 from __future__ import annotations
 
 import sys
@@ -76,7 +76,7 @@ def test_gpu_preset_compiles_the_model_and_the_compiled_loss_equals_eager():
                                                "--total-batch-size", "48"])
     assert options.compile
     assert recipe.total_batch_size % (recipe.device_batch_size * recipe.seq_len) == 0
-    profile = T.device_profile("cpu", "fp32")
+    profile = T.device_profile("cpu", "fp32", peak_tflops=1.0)
     model = tiny_gpt()
     compiled = torch.compile(model, backend=profile.compile_backend, dynamic=False)  # as train() does
     idx = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(3))
@@ -88,39 +88,76 @@ def test_gpu_preset_compiles_the_model_and_the_compiled_loss_equals_eager():
         assert g.abs().max() > 0, name  # every parameter took part
 
 
-def test_cpu_peak_is_the_best_single_thread_call_times_the_threads(monkeypatch):
-    """Interference only slows a call: the fastest call of each size counts, run on one thread, and the
-    thread count is put back."""
+def test_a_cpu_matmul_is_timed_by_its_best_single_thread_call(monkeypatch):
+    """Interference only slows a call: the fastest timed call of each matmul counts, on one thread, and the thread
+    count is put back; a slow call is not repeated past CPU_MATMUL_SECONDS."""
     threads = torch.get_num_threads()
-    seen_threads, durations = [], iter([1.0, 0.004, 0.002])  # seconds per timed call; the first one interrupted
-    clock = [0.0]
+    seen_threads, clock = [], [0.0]
+    durations = iter([0.5, 0.004, 0.002, 0.003, 0.005, 2.0])  # seconds per timed call; the first one interrupted
 
     def fake_matmul(a, b, out):
         seen_threads.append(torch.get_num_threads())
-        clock[0] += next(durations) if len(seen_threads) > 1 else 0.0  # the first (warm-up) call is untimed
+        clock[0] += next(durations)
 
     monkeypatch.setattr(T.torch, "matmul", fake_matmul)
     monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(T, "cpu_threads", lambda: 3)
-    peak = T.measure_matmul_flops(torch.float32, sizes=(64,), seconds=0.0)
-    assert seen_threads == [1] * (1 + T.CPU_PEAK_MIN_CALLS)  # the warm-up call, then the timed ones
-    assert peak == pytest.approx(3 * 2 * 64**3 / 0.002)
-    assert torch.get_num_threads() == threads
+    assert T.time_matmuls([(64, 32, 16)], torch.float32) == pytest.approx(0.002)
+    assert seen_threads == [1] * T.CPU_MATMUL_CALLS and torch.get_num_threads() == threads
+    assert T.time_matmuls([(64, 32, 16)], torch.float32) == 2.0 and len(seen_threads) == T.CPU_MATMUL_CALLS + 1
 
 
-def test_cpu_profile_says_how_the_peak_was_measured():
-    profile = T.device_profile("cpu", "fp32")
-    assert profile.peak_flops > 1e9 and profile.compute_dtype is None
-    assert "1-thread fp32 matmul" in profile.peak_source and f"x {T.cpu_threads()} threads" in profile.peak_source
+def test_the_matmuls_are_the_models_own(monkeypatch):
+    config = T.model_config(T.parse_command_line(["--preset", "cpu"])[0])
+    assert T.model_matmuls(config, 16 * 256) == [(4096, 192, 768), (4096, 768, 192), (4096, 192, 8192)]
+    assert T.model_matmuls(config, 8 * 2048)[0][0] == T.CPU_MATMUL_MAX_ROWS
 
 
-@pytest.mark.parametrize("fast_bf16", [False, True])
-def test_auto_dtype_on_a_cpu_is_bf16_only_where_onednn_has_fast_bf16(monkeypatch, fast_bf16):
-    """A CPU without AVX-512 BF16 or AMX runs bf16 matmuls tens of times slower than fp32
-    (docs/presets-and-benchmarks.md, "Benchmarks"), so `--dtype auto` trains in fp32 there; an explicit --dtype is
-    always obeyed."""
-    monkeypatch.setattr(T.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast_bf16)
-    assert T.compute_dtype_for("cpu") is (torch.bfloat16 if fast_bf16 else None)
-    assert T.compute_dtype_for("cpu", "bf16") is torch.bfloat16
-    assert T.compute_dtype_for("cpu", "fp32") is None
-    assert T.device_profile("cpu", "auto", peak_tflops=1.0).compute_dtype is (torch.bfloat16 if fast_bf16 else None)
+def fake_cpu(monkeypatch, bf16_seconds: float, fp32_seconds: float = 0.2) -> list:
+    """time_matmuls as a machine whose matmuls take these seconds; returns the list of dtypes it timed."""
+    timed = []
+
+    def fake(shapes, dtype):
+        timed.append(dtype)
+        return bf16_seconds if dtype == torch.bfloat16 else fp32_seconds
+    monkeypatch.setattr(T, "time_matmuls", fake)
+    return timed
+
+
+@pytest.mark.parametrize("bf16_seconds, expected", [(0.08, torch.bfloat16), (0.27, None), (0.2, None)])
+def test_auto_dtype_on_a_cpu_is_the_faster_one_measured_once_per_machine(monkeypatch, bf16_seconds, expected):
+    """A CPUID flag says bf16 exists, not that it is fast (one Xeon without AMX runs it 1.36x slower than fp32): `--dtype
+    auto` on a CPU takes the faster of the two at the model's matmuls, a tie to fp32, measured once per machine and
+    kept; an explicit --dtype is always obeyed; MFU's peak is the chosen dtype's."""
+    timed = fake_cpu(monkeypatch, bf16_seconds)
+    matmuls = [(4096, 192, 768), (4096, 768, 192), (4096, 192, 8192)]
+    profile = T.device_profile("cpu", "auto", matmuls=matmuls)
+    assert profile.compute_dtype is expected and len(timed) == 2
+    seconds = bf16_seconds if expected else 0.2
+    assert profile.peak_flops == pytest.approx(sum(2 * m * k * n for m, k, n in matmuls) / seconds * T.cpu_threads())
+    assert f"{1e3 * bf16_seconds:.1f} ms in bf16 and 200.0 ms in fp32" in profile.dtype_source
+    assert T.device_profile("cpu", "auto", matmuls=matmuls).compute_dtype is expected and len(timed) == 2  # kept
+    assert T.device_profile("cpu", "bf16", matmuls=matmuls).compute_dtype is torch.bfloat16
+    assert T.device_profile("cpu", "fp32", matmuls=matmuls).compute_dtype is None and len(timed) == 2
+    T.device_profile("cpu", "auto", matmuls=matmuls[:2])  # other matmuls: measured too
+    monkeypatch.setattr(T, "cpu_name", lambda: "another processor")
+    T.device_profile("cpu", "auto", matmuls=matmuls)
+    assert len(timed) == 6
+    assert T.compute_dtype_for("cpu", "bf16") is torch.bfloat16 and T.compute_dtype_for("cpu", "fp32") is None
+    assert T.compute_dtype_for("cpu") is None  # auto with nothing measured (a checkpoint scored): fp32
+
+
+def test_a_damaged_table_of_timings_is_one_clear_error(monkeypatch):
+    fake_cpu(monkeypatch, 0.1)
+    T.machine_file().parent.mkdir(parents=True, exist_ok=True)
+    for bad in ("{not json", '{"%s | torch %s | matmuls [(8, 8, 8)]": {"fp32": 0, "bf16": 1}}' % (
+            T.cpu_name(), torch.__version__)):
+        T.machine_file().write_text(bad)
+        with pytest.raises(ValueError, match="is not this kit's table of matmul timings .* delete it to measure again"):
+            T.device_profile("cpu", "auto", matmuls=[(8, 8, 8)])
+
+
+def test_a_checkpoint_is_scored_in_the_dtype_it_trained_in(tmp_path):
+    model = tiny_gpt()
+    for dtype, expected in (("bf16", torch.bfloat16), ("fp32", torch.float32), ("auto", torch.float32)):
+        T.save_checkpoint(tmp_path / "final.pt", model, {"recipe": {"dtype": dtype}})
+        assert T.load_for_eval(str(tmp_path / "final.pt"), torch.device("cpu")).compute_dtype is expected

@@ -2,11 +2,15 @@
 preset it sized."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+import prepare
 from helpers import REPO
 
 sys.path.insert(0, str(REPO))
@@ -69,25 +73,75 @@ def test_planner_probe_measures_this_device(capsys):
                ["--probe", "--device", "cpu"])
 
 
-def test_planner_says_what_shape_for_budget_trains_here(capsys, monkeypatch, tmp_path, text_dataset):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_planner_advises_a_shape_from_tokens_per_second_measured_once_here(capsys, text_dataset, monkeypatch):
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     tiny = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--total-batch-size", "512",
-            "--device-batch-size", "8", "--device", "cpu", "--shape-for-budget", "--budget", "600"]
+            "--device-batch-size", "8", "--device", "cpu", "--shapes", "--budget", "600"]
     assert P.main(tiny) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith("shape probe: ") for line in lines) == 3  # measured here, into the table
-    picked = next(line for line in lines if line.startswith("picked "))
-    out = {k: v.strip() for k, v in (line.split(":", 1) for line in lines[lines.index(picked) + 1:])}
-    assert f"depth {out['depth']}, width {out['width']}" in picked and "measured, " in out["throughput"]
+    assert sum(line.startswith("measured depth ") for line in lines) == 3  # measured here, into the table
+    advice = next(line for line in lines if line.startswith("advice: "))
+    out = {k: v.strip() for k, v in (line.split(":", 1) for line in lines[lines.index(advice) + 1:])}
+    assert f"depth {out['depth']}, width {out['width']}" in advice and "measured, " in out["throughput"]
     assert out["command"].startswith(f"python train.py --depth {out['depth']} --aspect-ratio ")
     rows = out["command"].split("--seq-len ")[1].split()[0]
-    assert picked.split(" (--shape-for-budget)")[0].endswith(f"rows of {rows}")
-    assert P.main(tiny) == 0 and "shape probe" not in capsys.readouterr().out  # the second time: the table
-    with pytest.raises(SystemExit, match="picks one cpu process's shape"):
+    assert advice.split(", the best expected")[0].endswith(f"rows of {rows}")
+    assert P.main(tiny) == 0 and "measured depth" not in capsys.readouterr().out  # the second time: the table
+    with pytest.raises(SystemExit, match="compares one cpu process's shapes"):
         P.main([*tiny, "--ranks", "2"])
     with pytest.raises(SystemExit, match="feed the planner's own rule"):
         P.main([*tiny, "--mfu", "0.3"])
+    for bad in ("{not json", "[1, 2]"):
+        P.shapes_file().write_text(bad)
+        with pytest.raises(SystemExit, match="is not a table of tokens/s .* delete it to measure again"):
+            P.main(tiny)
+
+
+def shape_speeds(recipe, **speeds: float) -> dict[str, float]:
+    """{shape_key: tokens/s} for the recipe's candidates, named by width (192: the cpu preset's own)."""
+    return {P.shape_key(s): speeds[f"w{T.model_config(s).n_embd}"] for s in P.shape_candidates(recipe)}
+
+
+def test_choose_shape_picks_by_the_fit_from_measured_speeds_with_a_margin(monkeypatch):
+    recipe = T.parse_command_line(["--preset", "cpu"])[0]
+    assert [T.model_config(s).n_embd for s in P.shape_candidates(recipe)] == [192, 256, 384]
+    # the AVX-512 BF16 kind (benchmarks/results/shape_probe): the preset's shape, rows of 256 at 300 s, 512 at 900 s
+    avx512 = shape_speeds(recipe, w192=7280, w256=5256, w384=3367)
+    for budget, rows in ((300.0, 256), (900.0, 512)):
+        pick, why = P.choose_shape(dataclasses.replace(recipe, time_budget=budget), avx512, 8264)
+        assert (pick.depth, pick.aspect_ratio, pick.seq_len) == (3, 64, rows)
+        assert len(why) == 4 and why[-1].startswith(f"advice: depth 3, width 192, rows of {rows}")
+    # a machine whose matmul unit the preset leaves idle (AMX): width 384 at 90 % of the preset's speed wins
+    amx = shape_speeds(recipe, w192=11000, w256=8000, w384=9900)
+    pick, why = P.choose_shape(recipe, amx, 14605)
+    assert (T.model_config(pick).n_embd, pick.seq_len) == (384, 256) and "advice: depth 3, width 384" in why[-1]
+    monkeypatch.setattr(P, "SHAPE_MARGIN_BPB", 1.0)  # a gain under the margin keeps the recipe's shape
+    assert T.model_config(P.choose_shape(recipe, amx, 14605)[0]).n_embd == 192
+
+
+def test_choose_shape_doubles_the_rows_from_max_passes_over_what_they_reach():
+    recipe = T.parse_command_line(["--preset", "cpu"])[0]
+    for documents in (100, 8264, 30000):  # (at a billion tokens the fit would pick a wider shape, at 1/9 the speed)
+        for passes, rows in ((0.99 * P.MAX_PASSES, 256), (1.01 * P.MAX_PASSES, 512)):
+            speed = passes * documents * 257 / recipe.time_budget
+            pick, why = P.choose_shape(recipe, shape_speeds(recipe, w192=speed, w256=speed / 9, w384=speed / 9),
+                                       documents)
+            assert pick.seq_len == rows and f"pass {passes:.1f} times over the first 257 tokens" in why[-1]
+
+
+def test_the_recipes_shape_comes_first_and_the_table_keys_all_a_step_depends_on():
+    recipe = T.parse_command_line(["--preset", "cpu", "--aspect-ratio", "128"])[0]  # the recipe is a candidate's shape
+    assert [T.model_config(s).n_embd for s in P.shape_candidates(recipe)] == [384, 192 + 64]
+    keys = {P.shape_key(r) for r in (recipe, dataclasses.replace(recipe, total_batch_size=8192),
+                                     dataclasses.replace(recipe, device_batch_size=8), dataclasses.replace(recipe,
+                                     architecture=T.Architecture()), dataclasses.replace(recipe, head_dim=128))}
+    assert len(keys) == 5
+
+
+def test_training_documents_counts_the_train_split(monkeypatch, text_dataset):
+    monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
+    shards = prepare.split_shards("train")
+    assert P.training_documents() == sum(pq.ParquetFile(p).metadata.num_rows for p in shards) > 0
 
 
 def test_phase2_preset_is_the_plan_for_16_chips_4_hours(monkeypatch):

@@ -5,6 +5,8 @@ nothing (--probe times a few steps first); it is a tool beside the submission, w
     python tools/plan.py --ranks 4 --budget 1800       # one chip, 30 min
     python tools/plan.py --preset phase2 --ranks 64 --budget 14400 --tokens-per-second $MEASURED --measured-ranks 4
     python tools/plan.py --device cpu --probe --ranks 1 --budget 300 --preset cpu   # measure here first
+    python tools/plan.py --device cpu --preset cpu --shapes --budget 900   # which shape and rows the campaign's fit
+                                                                           # expects best here (measured once)
 
 Every train.py flag describes the model to plan from (--preset, --depth, --aspect-ratio, ...).
 
@@ -17,15 +19,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as T  # noqa: E402
+from prepare import _row_groups_for_split  # noqa: E402
 
 # The planner's rule. A preset sweep may revise these constants; each says where its value comes from.
 PLAN_TOKENS_PER_PARAM = 10.5  # nanochat's compute-optimal fit for this model family (anchors: at a fixed
@@ -124,23 +131,161 @@ def format_plan(plan: Plan, preset: str | None = None) -> str:
     return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
 
 
+def random_batches(rows: int, seq_len: int, device: torch.device, vocab_size: int = T.TOKENIZER_VOCAB_SIZE):
+    """Endless (inputs, targets, state) of random tokens: a step's time does not depend on the text."""
+    while True:
+        x = torch.randint(0, vocab_size, (rows, seq_len + 1), device=device)
+        yield x[:, :-1], x[:, 1:], {}
+
+
+def time_training_steps(recipe: T.Recipe, options: T.RunOptions, profile: T.DeviceProfile, device: torch.device,
+                        warmup: int, steps: int) -> tuple[float, float]:
+    """(seconds of the first `warmup` steps, median seconds of the `steps` after them): the recipe's model trained on
+    random tokens in one process, in the profile's dtype, compiled where options say, as a run trains it."""
+    model = T.build_model(T.model_config(recipe), device, T.dtype_name(profile.compute_dtype))
+    optimizer = T.build_optimizer(model, recipe, options, profile.compute_dtype, profile.compile_backend)
+    step_model = torch.compile(model, backend=profile.compile_backend, dynamic=False) if options.compile else model
+    geometry = T.batch_geometry(recipe.total_batch_size, recipe.device_batch_size, recipe.seq_len, 1)
+    data, seconds = random_batches(geometry.device_batch_size, recipe.seq_len, device), []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        T.train_step(step_model, optimizer, data, geometry.grad_accum_steps)
+        T.synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+    if options.compile:
+        torch._dynamo.reset()  # the next model's graphs start afresh (dynamo keeps 8 per function)
+    return sum(seconds[:warmup]), statistics.median(seconds[warmup:])
+
+
 def measure_training_throughput(recipe: T.Recipe, options: T.RunOptions, device_type: str, steps: int,
                                 warmup: int) -> dict:
-    """One process training the model of `recipe` on random tokens (train.time_training_steps): tokens/s and MFU over
+    """One process training the model of `recipe` on random tokens (time_training_steps): tokens/s and MFU over
     `steps` optimizer steps, after `warmup` steps that include compilation."""
-    profile = T.device_profile(device_type, recipe.dtype)
+    profile = T.device_profile_for(recipe, device_type)
     device = torch.device(device_type)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    warm, dt = T.time_training_steps(recipe, options, profile, device, warmup, steps)
+    warm, dt = time_training_steps(recipe, options, profile, device, warmup, steps)
     with torch.device("meta"):
         model = T.GPT(T.model_config(recipe))
     tok_s = recipe.total_batch_size / dt
-    return {"dtype": str(profile.compute_dtype or torch.float32).replace("torch.", ""), "warmup_s": warm,
+    return {"dtype": T.dtype_name(profile.compute_dtype), "warmup_s": warm,
             "step_s": dt, "tokens_per_second": tok_s, "peak_tflops": profile.peak_flops / 1e12,
             "peak_source": profile.peak_source, "achieved_tflops": model.flops_per_token() * tok_s / 1e12,
             "mfu_percent": 100 * model.flops_per_token() * tok_s / profile.peak_flops,
             "params_M": model.num_params() / 1e6, "peak_memory_mb": T.peak_memory_mb(device)}
+
+
+# ---- --shapes: the shape the CPU campaign's fit expects best in a budget, from tokens/s measured here -----------------
+# Advice, not a rule a run applies: the cpu preset trains its own shape, so that two runs compare an edit. Measured
+# on the AMD EPYC with AVX-512 BF16 (300 s and 900 s) and an Intel Xeon without AMX (411 s), it never picked another
+# shape; only the rows changed (rows of 512 at 900 s: docs/presets-and-benchmarks.md).
+# Besides the recipe's own shape: width 384 keeps a fast bf16 matmul unit (AMX) busy where 192 leaves it idle; depth 4
+# at width 256 is the campaign's "one size up".
+SHAPE_CANDIDATES = (dict(depth=4, aspect_ratio=64), dict(depth=3, aspect_ratio=128))
+# val_bpb ~ E + A / N^alpha + B / D^beta, N the blocks' matrix parameters and D the tokens trained: the fit of
+# benchmarks/shape_rule.py to the CPU campaign (rms error 0.034 bpb). E is the text's, the same for every shape.
+SHAPE_FIT = dict(A=89.87, alpha=0.425, B=431.2, beta=0.45)
+SHAPE_MARGIN_BPB = 0.02  # the fit must expect a candidate this much better than the recipe's shape (300-s seed spread)
+SHAPE_PROBE_STEPS = (2, 3)  # per shape: steps that compile and warm up, then steps timed
+# A row starts at a document's start, so rows of 256 train only each document's first 257 tokens. Once a run has read
+# those about twice, rows twice as long win (the crossing: 1.3-2.1 passes, 256 to 512).
+MAX_PASSES = 2.0
+
+
+def shape_name(recipe: T.Recipe) -> str:
+    c = T.model_config(recipe)
+    return f"depth {c.n_layer}, width {c.n_embd}, rows of {recipe.seq_len}"
+
+
+def shape_key(recipe: T.Recipe) -> str:
+    """A shape's entry in the table: its name, and a hash of all in the recipe that a step's speed depends on."""
+    what = json.dumps([dataclasses.asdict(T.model_config(recipe)), recipe.total_batch_size, recipe.device_batch_size,
+                       recipe.dtype])
+    return f"{shape_name(recipe)} [{T.hashlib.sha256(what.encode()).hexdigest()[:8]}]"
+
+
+def shape_candidates(recipe: T.Recipe) -> list[T.Recipe]:
+    """The recipe's own shape first, then SHAPE_CANDIDATES' (at the recipe's head size, rows and batch), each once."""
+    shapes = {}
+    for shape in [recipe] + [dataclasses.replace(recipe, **c) for c in SHAPE_CANDIDATES]:
+        shapes.setdefault(shape_name(shape), shape)
+    return list(shapes.values())
+
+
+def matrix_parameters(recipe: T.Recipe) -> int:
+    """The fit's N: the parameters of the blocks' matrices (no embedding table, no head)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in T.GPT(T.model_config(recipe)).blocks.parameters() if p.ndim == 2)
+
+
+def expected_bpb(matrix_params: int, tokens: float) -> float:
+    """SHAPE_FIT's val_bpb less the text's constant: it compares shapes on one text, nothing more."""
+    return SHAPE_FIT["A"] * matrix_params ** -SHAPE_FIT["alpha"] + SHAPE_FIT["B"] * tokens ** -SHAPE_FIT["beta"]
+
+
+def training_documents() -> int:
+    """Documents in the training split, from the shards' parquet metadata (nothing is read)."""
+    return sum(pq.ParquetFile(path).metadata.row_group(group).num_rows
+               for path, group in _row_groups_for_split("train", 0, 1))
+
+
+def choose_shape(recipe: T.Recipe, tokens_per_second: dict[str, float], documents: int) -> tuple[T.Recipe, list[str]]:
+    """(the shape, why): the candidate the fit expects best from its tokens/s over the budget (by shape_key), if by
+    SHAPE_MARGIN_BPB over the recipe's own; its rows doubled where they would pass MAX_PASSES times or more over
+    what they reach (at most seq_len + 1 tokens of each document). Pure."""
+    why, scored = [], []
+    for shape in shape_candidates(recipe):
+        speed = tokens_per_second[shape_key(shape)]
+        tokens = speed * recipe.time_budget
+        scored.append((expected_bpb(matrix_parameters(shape), tokens), shape))
+        why.append(f"  {shape_name(shape)}: {speed:,.0f} tokens/s, {tokens / 1e6:.1f}M tokens, "
+                   f"expected val_bpb {scored[-1][0] - scored[0][0]:+.3f} to the recipe's")
+    best_bpb, pick = min(scored, key=lambda s: s[0])
+    pick = pick if scored[0][0] - best_bpb >= SHAPE_MARGIN_BPB else recipe
+    tokens, rows = tokens_per_second[shape_key(pick)] * recipe.time_budget, pick.seq_len
+    passes = tokens / (documents * (rows + 1))
+    pick = dataclasses.replace(pick, seq_len=2 * rows) if passes >= MAX_PASSES else pick
+    why.append(f"advice: {shape_name(pick)}, the best expected val_bpb in {recipe.time_budget:.0f}s (by "
+               f"{SHAPE_MARGIN_BPB} to leave the recipe's shape); {tokens / 1e6:.1f}M tokens pass {passes:.1f} times "
+               f"over the first {rows + 1} tokens of {documents:,} documents (rows doubled from {MAX_PASSES:g})")
+    return pick, why
+
+
+def shapes_file() -> Path:
+    """Tokens/s by machine and shape, measured once and kept beside train.py's matmul timings (delete to measure
+    again)."""
+    return T.machine_file().with_name("shapes.json")
+
+
+def machine_key(profile: T.DeviceProfile, options: T.RunOptions) -> str:
+    """What a step's speed depends on besides its shape: the processor, its threads, dtype, compile and torch (not
+    train.py: an edit is compared at the shape the advice gave before it)."""
+    here = f"{T.cpu_name()} x {T.cpu_threads()}" if profile.type == "cpu" else \
+        torch.cuda.get_device_name() if profile.type == "cuda" else f"{profile.type}, {profile.peak_source}"
+    return f"{here} | {T.dtype_name(profile.compute_dtype)} | compile {options.compile} | torch {torch.__version__}"
+
+
+def measured_shapes(recipe: T.Recipe, options: T.RunOptions, device_type: str) -> tuple[dict, str]:
+    """({shape_key: tokens/s} of shape_candidates(recipe) on this machine, the table's key): read from shapes_file(),
+    or measured here (SHAPE_PROBE_STEPS each, compile included) and added to it."""
+    path = shapes_file()
+    key = machine_key(T.device_profile_for(recipe, device_type), options)
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+        measured = table.setdefault(key, {})
+        if not all(math.isfinite(float(v)) and float(v) > 0 for v in measured.values()):
+            raise ValueError("a value that is not a positive number of tokens/s")
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a table of tokens/s ({e}): delete it to measure again") from None
+    for shape in [s for s in shape_candidates(recipe) if shape_key(s) not in measured]:
+        profile = T.device_profile_for(shape, device_type)
+        warm, step = time_training_steps(shape, options, profile, torch.device(device_type), *SHAPE_PROBE_STEPS)
+        measured[shape_key(shape)] = shape.total_batch_size / step
+        print(f"measured {shape_name(shape)}: {measured[shape_key(shape)]:,.0f} tokens/s "
+              f"({warm + step * SHAPE_PROBE_STEPS[1]:.0f}s, compile included)", flush=True)
+        T.write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
+    return measured, key
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,32 +303,34 @@ def build_parser() -> argparse.ArgumentParser:
                       f"{PLAN_ASSUMED_MFU} without a measurement)")
     plan.add_argument("--probe", action="store_true", help="measure the throughput of the model the other flags "
                       "describe with a few steps on this machine's device first")
+    plan.add_argument("--shapes", action="store_true", help="which of the flags' shape and SHAPE_CANDIDATES, and which "
+                      "rows, the CPU campaign's fit expects best in the budget, from their tokens/s measured here (once "
+                      "per machine)")
     return parser
 
 
-def plan_shape_for_budget(recipe: T.Recipe, options: T.RunOptions, args, target: str) -> int:
-    """What train.py --shape-for-budget trains here, and why: its candidates' tokens/s from this machine's table,
-    measured where missing (on neuron only with --probe: this is how a Trainium machine's table is made)."""
+def advise_shape(recipe: T.Recipe, options: T.RunOptions, args, target: str) -> int:
+    """--shapes: the shape choose_shape advises for the budget here, and why, from its candidates' tokens/s on this
+    machine (shapes_file(), measured where missing), then the plan of a run at that shape."""
     here = T.detect_device_type()
     if target != here or args.ranks != 1:
-        raise SystemExit(f"error: --shape-for-budget picks one {target} process's shape from tokens/s measured on "
-                         f"that machine (this one is {here}): pass --device {here} --ranks 1 to plan for it here, or "
-                         "--no-shape-for-budget for the planner's own rule")
+        raise SystemExit(f"error: --shapes compares one {target} process's shapes by tokens/s measured on that machine "
+                         f"(this one is {here}): pass --device {here} --ranks 1 to plan for it here")
     if (args.tokens_per_second, args.mfu, args.measured_ranks) != (None, None, None):
         raise SystemExit("error: --tokens-per-second, --mfu and --measured-ranks feed the planner's own rule; "
-                         "--shape-for-budget reads the tokens/s measured here: drop them, or --no-shape-for-budget")
+                         "--shapes reads the tokens/s measured here: drop them, or drop --shapes")
     try:
-        chosen, shape = T.shape_for_budget(recipe, options, T.device_profile(target, recipe.dtype, options.peak_tflops),
-                                           probe=args.probe or target != "neuron")
+        measured, key = measured_shapes(recipe, options, target)
+        chosen, why = choose_shape(recipe, measured, training_documents())
         probed = dataclasses.replace(chosen, seq_len=recipe.seq_len)  # its tokens/s were measured at the recipe's rows
         with torch.device("meta"):
-            flops = shape["tokens_per_second"][T.shape_key(probed)] * T.GPT(T.model_config(probed)).flops_per_token()
-        plan = plan_run(chosen, 1, chosen.time_budget, flops, f"measured, {shape['table']}", fixed=True)
+            flops = measured[shape_key(probed)] * T.GPT(T.model_config(probed)).flops_per_token()
+        plan = plan_run(chosen, 1, chosen.time_budget, flops, f"measured, {shapes_file()}: {key}", fixed=True)
     except Exception as e:
         if not T.is_input_error(e):
             raise
         raise SystemExit(f"error: {e}") from None
-    print("\n".join(shape["why"]))
+    print("\n".join(why))
     print(format_plan(plan, args.preset))
     return 0
 
@@ -197,8 +344,8 @@ def main(argv=None) -> int:
     if args.ranks < 1 or budget <= 0:
         raise SystemExit(f"error: the planner needs --ranks >= 1 and --budget > 0, got {args.ranks}, {budget}")
     target = options.device if options.device not in ("", "auto") else "neuron"  # the competition's device, unless told
-    if options.shape_for_budget:
-        return plan_shape_for_budget(dataclasses.replace(recipe, time_budget=float(budget)), options, args, target)
+    if args.shapes:
+        return advise_shape(dataclasses.replace(recipe, time_budget=float(budget)), options, args, target)
     with torch.device("meta"):
         flops_per_token = T.GPT(T.model_config(recipe)).flops_per_token()  # the model the other flags describe
     if args.tokens_per_second is not None:
@@ -226,7 +373,7 @@ def main(argv=None) -> int:
         if target == "cuda" and not torch.cuda.is_available():
             raise SystemExit("error: an MFU-based plan for cuda reads the GPU's peak, and this machine has no GPU; "
                              "plan on the GPU machine, or give --tokens-per-second")
-        profile = T.device_profile(target, recipe.dtype)
+        profile = T.device_profile_for(recipe, target)
         per_rank = mfu * profile.peak_flops
         source = f"{'assumed' if args.mfu is None else 'given'} {100 * mfu:.0f}% MFU of " \
                  f"{profile.peak_flops / 1e12:.0f} TFLOP/s ({profile.peak_source})"
