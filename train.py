@@ -123,7 +123,8 @@ class Architecture:
     """What the GPT is made of beyond its size: each field a flag and a key of the checkpoint's model_config."""
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
-    n_kv_head: int = 0  # key/value heads, fewer than the query heads for grouped-query attention (0: one per head)
+    n_kv_head: int = 0  # key/value heads for grouped-query attention, a divisor of the query heads (width /
+                        # head_dim: 3 in the cpu preset, 4 in the gpu one); 0: one per query head
     # nanochat's value embeddings: "alternate" layers (every other one, the last one included) add a token
     # embedding of their own to the attention's values, through a gate per key/value head; "": none
     value_embeds: str = ingredient("", on="alternate")
@@ -153,7 +154,9 @@ class GPTConfig(Architecture):
             raise ValueError(f"n_embd={self.n_embd} is not {self.n_head} heads of even size (an even --head-dim)")
         self.n_kv_head = self.n_kv_head or self.n_head
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
-            raise ValueError(f"--n-kv-head {self.n_kv_head}: must divide the {self.n_head} query heads (0: as many)")
+            divisors = ", ".join(str(k) for k in range(1, self.n_head + 1) if self.n_head % k == 0)
+            raise ValueError(f"--n-kv-head {self.n_kv_head}: must divide the {self.n_head} query heads (width / "
+                             f"--head-dim): {divisors}; 0: as many")
         self.window_pattern = self.window_pattern.upper()
         self.short_window = (self.short_window or max(1, self.sequence_len // 4)) if "S" in self.window_pattern else 0
         self.value_embed_layers = value_embed_layers(self.value_embeds, self.n_layer)
@@ -514,7 +517,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 for p in params:
                     self.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros_like(p),
                                          exp_avg_sq=torch.zeros_like(p))
-        # One graph for the whole step: one per update and shape (7) took twice as long to compile (trainium_ready.py)
+        # One graph for the whole step (one per update and shape compiles in twice the time)
         self._update = torch.compile(update_groups, backend=compile_backend, dynamic=False, fullgraph=True) \
             if compile_backend else update_groups
 
@@ -773,7 +776,8 @@ class Run:
         if self.rank == 0:
             save_checkpoint(checkpoint, self.model, {
                 "step": state.step, "total_train_tokens": state.tokens_seen, "world_size": self.world_size,
-                "recipe": recipe_settings(recipe), "run_options": asdict(options), "final_loss": state.train_loss})
+                "recipe": recipe_settings(recipe), "run_options": asdict(options), "final_loss": state.train_loss,
+                "train_py_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()})
         if self.world_size > 1:
             dist.barrier()  # the checkpoint is on disk before any rank reports
         final, result = self.clock.status(recipe.time_budget), None
@@ -840,12 +844,10 @@ class DeviceProfile:
     dtype_source: str = ""  # how a CPU's dtype was chosen
 
 
-# A CPU's compute dtype and peak: the model's own matmuls timed in fp32 and in bf16, once per machine and kept (so that
-# two runs of one recipe train alike). A CPUID flag says bf16 exists, not that it is fast: one Xeon without AMX runs
-# it 1.4x slower than fp32, AVX2-only CPUs tens of times slower. One thread, the best of several calls: other
-# processes only slow a call down.
-CPU_MATMUL_MAX_ROWS = 4096  # a micro-batch's rows, at most this many (the rate barely moves past it)
-CPU_MATMUL_CALLS, CPU_MATMUL_SECONDS = 5, 1.0  # per matmul: this many timed calls, fewer once they take this long
+# A CPU's compute dtype and peak: the model's own matmuls timed in fp32 and bf16 once per machine and kept, so that two
+# runs of one recipe train alike (a CPUID flag says bf16 exists, not that it is fast: one Xeon without AMX runs it 1.4x
+# slower than fp32). One thread, the best of a few calls after a warm-up: other processes only slow a call down.
+CPU_MATMUL_MAX_ROWS, CPU_MATMUL_CALLS, CPU_MATMUL_SECONDS = 4096, 5, 1.0  # rows; calls timed, fewer past these seconds
 
 
 def cpu_threads() -> int:
@@ -867,7 +869,7 @@ def time_matmuls(shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> floa
     try:
         for m, k, n in shapes:
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            out, times = a @ b, []  # (the warm-up: the kernel's set-up)
+            out, times = a @ b, []
             while not times or len(times) < CPU_MATMUL_CALLS and sum(times) < CPU_MATMUL_SECONDS:
                 t0 = time.perf_counter()
                 torch.matmul(a, b, out=out)
@@ -885,35 +887,31 @@ def machine_file() -> Path:
 
 
 def cpu_name() -> str:
-    """The processor as /proc/cpuinfo names it, and a hash of its flags: one name ("AMD EPYC" in a VM) can cover
-    CPUs with AVX-512 BF16 and without."""
+    """The processor as /proc/cpuinfo names it, and a hash of its flags (one "AMD EPYC" comes with AVX-512 and without)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name, flags = (re.search(rf"^{key}\s*:\s*(.*)$", info, re.M) for key in ("model name", "flags"))
     flags_hash = hashlib.sha256((flags[1] if flags else "").encode()).hexdigest()[:8]
     return f"{name[1] if name else platform.machine()} [flags {flags_hash}]"
 
 
-def measured_cpu_matmuls(shapes: list[tuple[int, int, int]]) -> tuple[dict, str]:
-    """({"fp32": s, "bf16": s}: time_matmuls of `shapes` on this machine, where they are kept): measured the first time
-    and kept in machine_file() under the processor, torch and the shapes; a lock makes ranks started together measure
-    once. Delete the file to measure again (after a run that shared the machine, say)."""
-    path = machine_file()
-    key = f"{cpu_name()} | torch {torch.__version__} | matmuls {shapes}"
+def measured_cpu_matmuls(shapes: list[tuple[int, int, int]]) -> tuple[dict, Path]:
+    """({"fp32": s, "bf16": s}, the file): time_matmuls of `shapes` here, measured once and kept in machine_file() by
+    processor, torch and shapes (a lock: ranks started together measure once). Delete the file to measure again."""
+    path, key = machine_file(), f"{cpu_name()} | torch {torch.__version__} | matmuls {shapes}"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             table = json.loads(path.read_text()) if path.exists() else {}
-            timings = table.get(key)
-            if timings is not None and not all(math.isfinite(timings[d]) and timings[d] > 0 for d in ("fp32", "bf16")):
+            if key in table and not all(math.isfinite(table[key][d]) and table[key][d] > 0 for d in ("fp32", "bf16")):
                 raise ValueError("a timing that is not a positive number of seconds")
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{path} is not this kit's table of matmul timings ({e}): delete it to measure again")
-        if timings is None:
-            timings = table[key] = {"fp32": time_matmuls(shapes, torch.float32),
-                                    "bf16": time_matmuls(shapes, torch.bfloat16)}
+        if key not in table:
+            table[key] = {name: time_matmuls(shapes, dtype) for name, dtype in (("fp32", torch.float32),
+                                                                                ("bf16", torch.bfloat16))}
             write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
-    return timings, str(path)
+    return table[key], path
 
 
 def detect_device_type() -> str:
@@ -958,24 +956,19 @@ def device_profile(device_type: str, dtype: str = "auto", peak_tflops: float = 0
         peak = datasheet if datasheet is not None else measure_cuda_flops() if peak_tflops <= 0 else 0.0
         profile = DeviceProfile("cuda", "nccl", compute_dtype_for("cuda", dtype), "inductor", peak,
                                 f"datasheet, {name}" if datasheet is not None else f"measured bf16 matmul on {name}")
-    elif device_type == "cpu":
-        if dtype == "auto" or peak_tflops <= 0:
-            if not matmuls:
-                raise ValueError("a CPU's dtype and peak are measured on the model's matmuls: pass them")
-            timings, kept = measured_cpu_matmuls(matmuls)
-            compute = compute_dtype_for("cpu", dtype, timings)
-            seconds = timings[dtype_name(compute)]
-            flops = sum(2 * m * k * n for m, k, n in matmuls)
-            profile = DeviceProfile("cpu", "gloo", compute, "inductor", flops / seconds * cpu_threads(),
-                                    f"the model's matmuls in {dtype_name(compute)}, best 1-thread call here x "
-                                    f"{cpu_threads()} threads",
-                                    f"{dtype_name(compute)}{' (auto)' if dtype == 'auto' else ''}: the model's matmuls "
-                                    f"take {1e3 * timings['bf16']:.1f} ms in bf16 and {1e3 * timings['fp32']:.1f} ms in "
-                                    f"fp32 on one thread here (measured once, kept in {kept})")
-        else:
-            profile = DeviceProfile("cpu", "gloo", compute_dtype_for("cpu", dtype), "inductor", 0.0, "")
-    else:
+    elif device_type != "cpu":
         raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
+    elif dtype != "auto" and peak_tflops > 0:  # nothing to measure
+        profile = DeviceProfile("cpu", "gloo", compute_dtype_for("cpu", dtype), "inductor", 0.0, "")
+    else:
+        timings, kept = measured_cpu_matmuls(matmuls)
+        compute = compute_dtype_for("cpu", dtype, timings)
+        peak = sum(2 * m * k * n for m, k, n in matmuls) / timings[dtype_name(compute)] * cpu_threads()
+        profile = DeviceProfile("cpu", "gloo", compute, "inductor", peak, f"the model's matmuls in "
+                                f"{dtype_name(compute)}, best 1-thread call here x {cpu_threads()} threads",
+                                f"{dtype_name(compute)}{' (auto)' if dtype == 'auto' else ''}: the model's matmuls "
+                                f"take {1e3 * timings['bf16']:.1f} ms in bf16 and {1e3 * timings['fp32']:.1f} ms in fp32 "
+                                f"on one thread here (measured once, kept in {kept})")
     if peak_tflops > 0:
         return dataclasses.replace(profile, peak_flops=peak_tflops * 1e12, peak_source="given (--peak-tflops)")
     return profile
@@ -1519,9 +1512,13 @@ def parameter_groups(model: GPT, recipe: Recipe, ns_dtype: torch.dtype | None = 
     names = {}  # a weight two modules share has two names
     for name, p in model.named_parameters(remove_duplicate=False):
         names[id(p)] = f"{names[id(p)]} = {name}" if id(p) in names else name
-    rows = collections.Counter(id(p) for params, _ in table for p in params)
-    problems = {
-        "are in more than one row of parameter_table: keep one": [names[i] for i, n in rows.items() if n > 1],
+    rows = collections.defaultdict(list)  # id -> [(row, its learning rate)]
+    for r, (params, rule) in enumerate(table):
+        rows.update({id(p): rows[id(p)] + [(r, rule["lr"])] for p in params})
+    problems = {  # a weight shared with the head takes the head's rate: at the embedding's, a tied head diverges
+        "are in more than one row of parameter_table: keep the row with the lowest learning rate": [
+            f"{names[i]} (rows {', '.join(f'{r} at lr {lr:.3g}' for r, lr in found)}: keep row "
+            f"{min(found, key=lambda f: f[1])[0]})" for i, found in rows.items() if len(found) > 1],
         "have no row in parameter_table: add one (a vector, such as a gain or a temperature: AdamW, like "
         "resid_lambdas)": [names[id(p)] for p in model.parameters() if id(p) not in rows],
         "fall in a Muon row of parameter_table, which updates matrices only: give them a row of their own (AdamW, "

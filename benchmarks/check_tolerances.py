@@ -39,14 +39,56 @@ from harness.common import CoreError  # noqa: E402
 from harness.core import verify  # noqa: E402  (a module: core_differences lifts its tolerances)
 from harness.core.bundle import Task  # noqa: E402
 from harness.core.prompts import Request, build_request  # noqa: E402
-from harness.core.scoring import (VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, Sample, claimed_near_tie,  # noqa: E402
-                                  near_ties_to_verify, region_mean_losses)
+from harness.core.scoring import (VERIFY_FRACTION, Sample, claimed_near_tie, flip_worth,  # noqa: E402
+                                  region_mean_losses, uniform_sample_size)
 from harness import metric as M  # noqa: E402
 from harness.submission import copy_submission  # noqa: E402
-from core_throughput import CORE_TASKS, imitation  # noqa: E402
 from random_model import save_random_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# CORE's 22 tasks: label, type, shots, delimiter, examples in the real bundle, context words, choices, words per choice
+CORE_TASKS = [
+    ("hellaswag_zeroshot", "multiple_choice", 0, " ", 10042, 40, 4, 20),
+    ("jeopardy", "language_modeling", 10, "\nAnswer: ", 2117, 25, 1, 2),
+    ("bigbench_qa_wikidata", "language_modeling", 10, " ", 20321, 10, 1, 2),
+    ("arc_easy", "multiple_choice", 10, "\nAnswer: ", 2376, 25, 4, 5),
+    ("arc_challenge", "multiple_choice", 10, "\nAnswer: ", 2376, 30, 4, 6),
+    ("copa", "multiple_choice", 0, " ", 100, 10, 2, 8),
+    ("commonsense_qa", "multiple_choice", 10, " ", 1221, 30, 5, 1),
+    ("piqa", "multiple_choice", 10, "\nAnswer: ", 1838, 12, 2, 20),
+    ("openbook_qa", "multiple_choice", 0, " ", 500, 15, 4, 5),
+    ("lambada_openai", "language_modeling", 0, " ", 5153, 70, 1, 1),
+    ("hellaswag", "multiple_choice", 10, " ", 10042, 40, 4, 20),
+    ("winograd", "schema", 0, " ", 273, 12, 2, 8),
+    ("winogrande", "schema", 0, " ", 1267, 15, 2, 8),
+    ("bigbench_dyck_languages", "language_modeling", 10, " ", 1000, 30, 1, 5),
+    ("agi_eval_lsat_ar", "multiple_choice", 3, " ", 230, 200, 5, 1),
+    ("bigbench_cs_algorithms", "language_modeling", 10, " ", 1320, 25, 1, 2),
+    ("bigbench_operators", "language_modeling", 10, " ", 210, 15, 1, 1),
+    ("bigbench_repeat_copy_logic", "language_modeling", 10, " ", 32, 20, 1, 10),
+    ("squad", "language_modeling", 10, " ", 10570, 150, 1, 3),
+    ("coqa", "language_modeling", 0, " ", 7983, 250, 1, 3),
+    ("boolq", "multiple_choice", 10, "\nAnswer: ", 3270, 100, 2, 1),
+    ("bigbench_language_identification", "multiple_choice", 10, " ", 10000, 15, 11, 1),
+]
+WORDS = ("the of and to in is was for on that with as by at from he it his an were are which this be or had "
+         "not but first one their its new after who they have her she two been other when there all during into "
+         "school time may years more most only over city some world would where later up such used many can "
+         "state about national out known university united then made").split()
+
+
+def imitation(task_type, context_words, choices, choice_words, n, rng):
+    def words(k):
+        return " ".join(rng.choice(WORDS) for _ in range(max(1, k)))
+    if task_type == "multiple_choice":
+        return [{"query": words(context_words), "choices": [words(choice_words) for _ in range(choices)],
+                 "gold": rng.randrange(choices)} for _ in range(n)]
+    if task_type == "schema":
+        return [{"context_options": [words(context_words) for _ in range(choices)], "continuation": words(choice_words),
+                 "gold": rng.randrange(choices)} for _ in range(n)]
+    return [{"context": words(context_words), "continuation": words(choice_words)} for _ in range(n)]
+
+
 # each dtype forced, whatever the machine's default (a CPU without bf16 matmuls runs fp32)
 COMPUTE_DTYPE = {"fp32": "None", "bf16": "torch.bfloat16"}
 DEVICE = "cpu"  # where the model runs (--device)
@@ -177,9 +219,9 @@ def lean_towards_preferred(sample: Sample, trusted: list) -> float:
 
 
 def official_sample_sizes() -> dict[str, int]:
-    """Examples verified per task in an official run: 2 % of each task's, at least 8."""
-    return {label: min(n, max(VERIFY_MIN_EXAMPLES, math.ceil(VERIFY_FRACTION * n)))
-            for label, _, _, _, n, *_ in CORE_TASKS}
+    """The uniform sample per task in an official run on one rank (eval-core's uniform_sample_size)."""
+    return {label: uniform_sample_size(n, flip_worth(n, RANDOM_BASELINE.get(label, 0.0), len(CORE_TASKS)),
+                                       VERIFY_FRACTION) for label, _, _, _, n, *_ in CORE_TASKS}
 
 
 def bias_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int = 0) -> tuple[int, dict]:
@@ -203,10 +245,10 @@ def bias_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int = 0) 
 
 
 def decision_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int = 0) -> tuple[int, dict]:
-    """How many of `runs` official-sized verifications (each task's uniform sample, and its claimed
-    near-ties in the share measured here, scaled to the real task's size and drawn as eval-core draws
-    them: near_ties_to_verify) the decision rules refuse: a verified decision that differs from the
-    trusted path's by more than the allowance, or the sign tests. Also the near-tie share."""
+    """How many of `runs` official-sized verifications (each task's uniform sample, and all its claimed
+    near-ties in the share measured here, scaled to the real task's size) the decision rules refuse: a
+    verified decision that differs from the trusted path's by more than the allowance, or the sign
+    tests. Also the near-tie share."""
     allowance = TOLERANCES["decision"]
     rng, refused, sizes = random.Random(seed), 0, official_sample_sizes()
     examples = {label: n for label, _, _, _, n, *_ in CORE_TASKS}
@@ -216,8 +258,7 @@ def decision_false_refusals(leans: dict[str, list[dict]], runs: int, seed: int =
         for label, pool in leans.items():
             near = [f for f in pool if f["near"]]
             drawn = [rng.choice(pool) for _ in range(sizes[label])] if pool else []
-            drawn += [rng.choice(near) for _ in range(near_ties_to_verify(round(share[label] * examples[label])))
-                      ] if near else []
+            drawn += [rng.choice(near) for _ in range(round(share[label] * examples[label]))] if near else []
             for found in drawn:
                 kind = "exact_match" if found.get("lm") else "choice"
                 wrong |= found["flipped"] and not found["margin_flipped"] < allowance[kind]
@@ -237,16 +278,14 @@ RANDOM_BASELINE = {"hellaswag_zeroshot": 25, "arc_easy": 25, "arc_challenge": 25
 
 
 def official_coverage(share: dict[str, float]) -> dict:
-    """verify.coverage for an official bundle whose tasks have the near-tie shares measured here,
-    each task's near-ties drawn as eval-core draws them."""
-    tasks = {}
+    """verify.coverage for an official bundle on one rank whose tasks have the near-tie shares measured here."""
+    sizes, tasks = official_sample_sizes(), {}
     for label, _, _, _, n, *_ in CORE_TASKS:
-        uniform, claimed = min(n, max(VERIFY_MIN_EXAMPLES, math.ceil(VERIFY_FRACTION * n))), round(share[label] * n)
         tasks[label] = {"examples": n, "random_baseline": RANDOM_BASELINE.get(label, 0.0),
-                        "verified": {"examples": n, "uniform": uniform, "near_ties_claimed": claimed,
-                                     "near_ties": near_ties_to_verify(claimed)}}
+                        "verified": {"examples": n, "uniform": sizes[label], "near_ties_claimed": round(share[label] * n),
+                                     "worth": flip_worth(n, RANDOM_BASELINE.get(label, 0.0), len(CORE_TASKS))}}
     found = verify.coverage(tasks, [{label: t["verified"] for label, t in tasks.items()}])
-    found["examples_verified"] = sum(t["verified"]["uniform"] + t["verified"]["near_ties"] *
+    found["examples_verified"] = sum(t["verified"]["uniform"] + t["verified"]["near_ties_claimed"] *
                                      (1 - t["verified"]["uniform"] / t["examples"]) for t in tasks.values())
     return found
 
@@ -315,7 +354,7 @@ def main():
         cover = official_coverage(share)
         print(f"CORE coverage of an official bundle with these near-tie shares: about "
               f"{cover['examples_verified']:.0f} examples verified; at a {cover['risk']:.0%} chance of refusal a "
-              f"forger hides {cover['outside_near_ties']} outside the near-ties and {cover['near_ties']} within them")
+              f"forger gains at most CORE +{cover['bound']:.4f} (largest on {cover['task']})")
 
 
 if __name__ == "__main__":

@@ -593,15 +593,16 @@ def training_summary(text: str) -> dict:
 # A small bundle in CORE's format and task shapes, made from the public_val text
 # -----------------------------------------------------------------------------------------------
 
-def write_text_bundle(dataset_dir: Path, root: Path, examples: int, seed: int = 0) -> Path:
+def write_text_bundle(dataset_dir: Path, root: Path, examples: int | float, seed: int = 0) -> Path:
     """An eval bundle (core.yaml, eval_meta_data.csv, eval_data/*.jsonl) with CORE's 22 task labels and shapes
-    (benchmarks/core_throughput.py: type, shots, delimiter, lengths, choices), each example cut from the
+    (benchmarks/check_tolerances.py: type, shots, delimiter, lengths, choices), `examples` a task (a float: that
+    share of the real task's examples, at least its shots and 8 more), each example cut from the
     public_val text: a multiple-choice query is a passage, its gold choice the words that follow it and the
     others words from elsewhere; a schema example's options are that passage and others, followed by its
     continuation; a language-modelling example asks for the words that follow. A model that learned the
     text beats chance on them, so the figure moves with training; it is not CORE."""
     import pyarrow.parquet as pq
-    from core_throughput import CORE_TASKS
+    from check_tolerances import CORE_TASKS
     from harness.data import split_shards
     words = []
     for shard in split_shards("public_val", dataset_dir):
@@ -620,9 +621,9 @@ def write_text_bundle(dataset_dir: Path, root: Path, examples: int, seed: int = 
     shutil.rmtree(root, ignore_errors=True)
     (bundle / "eval_data" / "text").mkdir(parents=True)
     yaml, meta = ["icl_tasks:"], []
-    for label, kind, shots, delimiter, _, context_words, choices, choice_words in CORE_TASKS:
-        rows = []
-        for _ in range(examples):
+    for label, kind, shots, delimiter, real, context_words, choices, choice_words in CORE_TASKS:
+        rows, count = [], examples if isinstance(examples, int) else max(shots + 8, round(examples * real))
+        for _ in range(count):
             context, follows = passage(context_words, choice_words)
             if kind == "multiple_choice":
                 options = [follows] + [passage(choice_words, 0)[0] for _ in range(choices - 1)]
@@ -641,7 +642,7 @@ def write_text_bundle(dataset_dir: Path, root: Path, examples: int, seed: int = 
         yaml += [f"- label: {label}", f"  dataset_uri: text/{label}.jsonl", f"  num_fewshot: [{shots}]",
                  f"  icl_task_type: {kind}", f"  continuation_delimiter: {json.dumps(delimiter)}"]
         chance = 0.0 if kind == "language_modeling" else 100.0 / choices
-        meta.append([label, "text", kind, shots, examples, chance, "Yes", "public_val text in a CORE task's shape"])
+        meta.append([label, "text", kind, shots, count, chance, "Yes", "public_val text in a CORE task's shape"])
     (bundle / "core.yaml").write_text("\n".join(yaml) + "\n")
     with open(bundle / "eval_meta_data.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)

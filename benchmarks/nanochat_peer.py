@@ -19,28 +19,12 @@ dict, loadable with torch.load(weights_only=True); benchmarks/nanochat_adapter.p
 scorer) and writes OUT/summary.json. It exits non-zero with one line `nanochat_peer: error: ...` when
 anything fails.
 
-Why the kit's tokenizer and not one trained by nanochat's tok_train: the comparison is on identical tokens
-with one scorer. The kit's metric tokenizes public_val with the kit's pinned tokenizer; a model trained
-on tok_train's vocabulary would need a different scorer (its own tokenization and byte counts), and
-its val_bpb would then mix a tokenizer difference into the training comparison. Both are BPE trained
-with rustbpe on the same split pattern and the same special tokens, so nanochat's code runs unchanged.
-
-Decisions (see also PATCHES and SHIMS):
-- nanochat's own defaults for everything the command line does not name (window pattern SSSL, learning
-  rates, warmup/warmdown, weight decay, head dim 128 and aspect ratio 64: at depth 10 that is width 640
-  in 5 heads, the kit's d10 shape). Its periodic val/CORE evaluation and sampling are off
-  (--eval-every -1 --core-metric-every -1 --sample-every -1) and wandb too (--run dummy).
-- --time-budget S (a patch): nanochat has only --num-iterations. Its total_training_time counts the
-  steps after the first 11 (steps 0-10: compilation and warm-up). After the first M timed steps (M =
-  --measure-steps, default 20) their mean step time sets num_iterations = 11 + round(S / mean), so the
-  timed steps add up to about S; from then on nanochat's warmup/warmdown/momentum/weight-decay schedules
-  follow that num_iterations exactly as if it had been given with --num-iterations. Before the decision
-  nanochat's default horizon (--target-param-data-ratio 12) is a placeholder; the schedules read
-  num_iterations only through the warmdown (which starts at 35% of the run, long after the decision:
-  the log says ALREADY PASSED if it did not) and the weight-decay cosine (over the first 31 steps the
-  placeholder's value, ~2,500 steps at d10 and 2^18 tokens a step, is within 0.4% of what any horizon of
-  800 steps or more would give).
-- Single process (no torchrun).
+The kit's tokenizer, so that both models see identical tokens and one scorer reads them. nanochat's own
+defaults for everything the command line does not name; its periodic evaluations, sampling and wandb off.
+--time-budget S (a patch: nanochat has only --num-iterations): after the first --measure-steps timed steps
+(20) their mean step time sets num_iterations so that the timed steps add up to about S, and nanochat's
+schedules then follow it as if given (the log says ALREADY PASSED if its warmdown would have started
+before). A single process (no torchrun).
 """
 from __future__ import annotations
 

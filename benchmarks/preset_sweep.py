@@ -2,9 +2,10 @@
 (or the same number of steps), score every checkpoint with the official evaluation on the same fixed tokens
 of public_val, and print a table: per seed, the mean, the seed spread and the difference to the reference.
 
-    # the ingredients one at a time on the CPU preset, 2 seeds, then the winners together
-    python benchmarks/preset_sweep.py --budget 300 --seeds 1,2 --combine-winners \
-        --ingredients off,value-embeds,windows,every
+    # the ingredients one at a time on the CPU preset, 2 seeds
+    python benchmarks/preset_sweep.py --budget 300 --seeds 1,2 --ingredients off,value-embeds,windows,every
+    # the seed spread of the preset as it ships (tools/compare.py reads it from the results)
+    python benchmarks/preset_sweep.py --budget 300 --seeds 1,2,3,4,5 --results benchmarks/results/presets.tsv
     # the same at a fixed step count on a larger shape: per-step gain apart from step-time cost
     python benchmarks/preset_sweep.py --max-steps 400 --shapes nanochat-cpu --seeds 1 \
         --ingredients off,value-embeds,windows,every
@@ -37,41 +38,18 @@ import torch  # noqa: E402
 import train as T  # noqa: E402  (the ingredients and their flags)
 
 # name -> train.py flags (on top of --preset BASE). Widths: depth x aspect ratio, rounded up to the head size.
-SHAPES = {
+SHAPES = {  # the shapes of benchmarks/results/presets.tsv that a question still asks about
     "now": [],  # the base preset as it stands
-    # the CPU preset before the first sweep chose depth 3, width 192, rows of 256, batch 4K:
-    "d4-w384-s1024-b8k": ["--depth", "4", "--aspect-ratio", "96", "--head-dim", "128", "--seq-len", "1024",
-                          "--total-batch-size", "8192"],
     "nanochat-cpu": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
                      "--total-batch-size", "4096"],  # d4, width 256, head 64, seq 512, batch 4096
-    "d4-w256-s1024-b4k": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "1024",
-                          "--total-batch-size", "4096"],
-    "d4-w256-s512-b2k": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
-                         "--total-batch-size", "2048"],
     "d4-w256-s256-b4k": ["--depth", "4", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "256",
-                         "--total-batch-size", "4096", "--device-batch-size", "16"],
+                         "--total-batch-size", "4096", "--device-batch-size", "16"],  # one size up
     "d3-w192-s512-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
-                         "--total-batch-size", "4096"],
-    "d3-w192-s1024-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "1024",
-                          "--total-batch-size", "4096", "--device-batch-size", "4"],
-    "d6-w384-s512-b4k": ["--depth", "6", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
-                         "--total-batch-size", "4096"],
-    "d2-w128-s512-b4k": ["--depth", "2", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
-                         "--total-batch-size", "4096"],
-    "d3-w192-s512-b2k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
-                         "--total-batch-size", "2048"],
-    "d3-w192-s512-b8k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
-                         "--total-batch-size", "8192", "--device-batch-size", "16"],
-    "d3-w192-s256-b4k": ["--depth", "3", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "256",
-                         "--total-batch-size", "4096", "--device-batch-size", "16"],  # one micro-batch, like the others
-    # the cpu preset's shape with its rows held at 256 whatever the budget
-    "rows-256": ["--seq-len", "256"],
+                         "--total-batch-size", "4096"],  # the preset's shape at rows of 512
     "d3-w384-s256-b4k": ["--depth", "3", "--aspect-ratio", "128", "--head-dim", "64", "--seq-len", "256",
-                         "--total-batch-size", "4096", "--device-batch-size", "16"],  # the probe's wide candidate
-    "d4-w192-s512-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "512",
-                         "--total-batch-size", "4096"],
-    "d4-w192-s256-b4k": ["--depth", "4", "--aspect-ratio", "48", "--head-dim", "64", "--seq-len", "256",
-                         "--total-batch-size", "4096", "--device-batch-size", "16"],
+                         "--total-batch-size", "4096", "--device-batch-size", "16"],  # the wide candidate
+    "d6-w384-s512-b4k": ["--depth", "6", "--aspect-ratio", "64", "--head-dim", "64", "--seq-len", "512",
+                         "--total-batch-size", "4096"],  # a larger shape, at fixed steps
 }
 
 # Every ingredient of train.py off, explicitly (Architecture's defaults): the baseline whatever the preset
@@ -229,9 +207,6 @@ def main():
     parser.add_argument("--ingredients", default="as-is", help="comma-separated specs: as-is, or names joined by + "
                                                                f"from {', '.join(INGREDIENTS)}")
     parser.add_argument("--seeds", default="42", help="comma-separated; every run of the grid trains with each")
-    parser.add_argument("--combine-winners", action="store_true",
-                        help="then run, per shape, the single ingredients that beat `off` by more than the seed "
-                             "spread (of either), together, with the same seeds")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--eval-tokens", type=int, default=2**19, help="public_val tokens every checkpoint is "
                                                                        "scored on (the same ones for all)")
@@ -254,9 +229,6 @@ def main():
     for spec in specs:
         ingredient_flags(spec)
     seeds = [int(s) for s in args.seeds.split(",")]
-    if args.combine_winners and ("off" not in specs or len(seeds) < 2):
-        raise SystemExit("--combine-winners compares with `off` over the seed spread: list `off` among "
-                         "--ingredients and give at least 2 --seeds")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if args.data_dir:
         env["FRONTIER_DATA_DIR"] = str(Path(args.data_dir).resolve())
@@ -301,21 +273,6 @@ def main():
                           f"{r['wall_s']:.0f}s", flush=True)
 
     run_grid([(shape, spec) for shape in shapes for spec in specs])
-    if args.combine_winners:
-        combined = []
-        for shape in shapes:
-            ref = [r["val_bpb"] for r in results.get((shape, "off"), {}).values()]
-            winners = []
-            for spec in specs:
-                if spec in INGREDIENTS and spec not in ("off", "every") and len(ref) > 1:
-                    mine = [r["val_bpb"] for r in results.get((shape, spec), {}).values()]
-                    if len(mine) > 1 and statistics.mean(mine) < statistics.mean(ref) - max(noise(ref), noise(mine)):
-                        winners.append(spec)
-            print(f"{shape}: ingredients that beat `off` by more than the seed spread: {winners or 'none'}")
-            if len(winners) > 1 and "+".join(winners) not in specs:
-                combined.append((shape, "+".join(winners)))
-        run_grid(combined)
-        specs += [spec for _, spec in combined if spec not in specs]
     if not results:
         raise SystemExit("no run trained")
 

@@ -4,29 +4,18 @@
     python benchmarks/side_by_side.py ... --nanochat-shapes defaults,kit   # nanochat at two shapes
     python benchmarks/side_by_side.py ... --multiples 3 --kit-args "--seq-len 512"   # 3x, the rows plan.py advises
 
---text is a folder of .txt, .jsonl or .parquet files (jsonl and parquet need a `text` column or key). It is
-prepared as a dataset of its own (`prepare.py setup --source dir:TEXT --build-tokenizer-if-missing`): the
-documents are re-chunked and sharded, the last shard is held out as public_val (scored, never trained on),
-and a BPE tokenizer is trained on the training split, all in WORK's own cache (the machine's active dataset
-stays what it was). nanochat is unpacked and patched (benchmarks/nanochat_peer.py prepare; its tokenizer
-files are written from that tokenizer, so both models see the same tokens). Then, for each multiple m:
-1. nanochat's base_train for m x SECONDS of its own training time (nanochat_peer.py train) in the machine's
-   fast dtype, at each of --nanochat-shapes: `defaults` (its CPU shape: depth 4, rows of 512, 4,096 tokens a
-   step, everything else nanochat's defaults: aspect ratio 64, head dim 128, window pattern SSSL, which SDPA
-   runs as a dense mask) and `kit` (the kit's preset shape: depth 3, width 192 in heads of 64, rows of 256,
-   4,096 tokens a step, full context). A run whose training time misses its target by more than 5 % (a
-   disturbed machine) is run again once, and the table says if it still misses;
-2. the kit's `train.py --preset cpu --time-budget T` (and --kit-args), T = the training seconds of nanochat's first
-   shape's run;
-3. every checkpoint scored by the kit's scorer (`prepare.py eval-public --seq-len 512`, the same tokens of
-   the text's public_val; 512 is the longest context all trained on).
-Every run trains, and is scored, in the dtype `--preset cpu` takes on this machine (measured: train.py's
-device_profile_for), nanochat's adapter set to the same.
-It prints progress once a minute and one markdown table at the end, also written to WORK/table.md (the text
-named by its folder's name, no path). A finished part (its summary and its score on disk) is kept and read
-back, never run again: rerun after a crash to finish the rest. At 1x of 425 s each multiple takes about 25
-minutes per nanochat shape on 2 cores (training, then scoring ~10 minutes per checkpoint at the official
-token count; --max-tokens 524288 takes ~2). Run it alone: the comparison is of speed."""
+--text is a folder of .txt, .jsonl or .parquet files (a `text` column or key), prepared as a dataset of its
+own in WORK (`prepare.py setup --source dir:TEXT --build-tokenizer-if-missing`: its last shard held out as
+public_val, a BPE tokenizer trained on the rest, written into nanochat too; the machine's active dataset stays).
+For each multiple m: nanochat's base_train for m x SECONDS of its training time (nanochat_peer.py train) at each
+of --nanochat-shapes (`defaults`: its CPU shape, depth 4, rows of 512; `kit`: the kit's preset shape, full
+context), run again once where it misses its target by more than 5 %; then the kit's `train.py --preset cpu
+--time-budget T` (and --kit-args), T = the seconds nanochat's first shape trained; every checkpoint scored by
+`prepare.py eval-public --seq-len 512` (the longest context all trained on) on the same tokens. Every run trains
+and is scored in the dtype `--preset cpu` takes on this machine (train.py measures it). A finished part is kept
+and read back: rerun after a crash to finish the rest. It prints one markdown table, also WORK/table.md. At 1x
+of 425 s a multiple takes about 25 minutes per nanochat shape on 2 cores (--max-tokens 524288). Run it alone:
+the comparison is of speed."""
 from __future__ import annotations
 
 import argparse

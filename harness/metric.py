@@ -60,7 +60,7 @@ from harness.worker.wire import WorkerTimeout, logits_array
 # Probes per scored row: the official 20,480 rows get 3,414, of which 3,201 twins. They catch a model
 # that reads ahead at >= 0.14 % of the positions in 99 % of runs (read_ahead_caught), and reading ahead
 # at 0.14 % gains at most 0.42 % of val_bpb, even at the positions of the highest loss (measured with
-# benchmarks/probe_coverage.py: a CPU-preset model trained 2 minutes, 2^19 tokens of its public_val;
+# benchmarks/probe_coverage.py, kept in commit 95cf4ea: a CPU-preset model trained 2 minutes, 2^19 tokens;
 # 0.5 % needs 2,694 twins there, and 1,413 where the model picks the positions by its own entropy).
 PROBE_FRACTION = 1 / 6
 MIN_PROBES = 16  # at least this many probes, however few rows are scored (a small run says how little they catch)

@@ -21,7 +21,7 @@ from core_bundle import NEAR_TIE_TASKS, make_bundle, make_near_tie_examples
 from harness.common import CoreError
 from harness.core.bundle import bundle_from_dir, load_examples, load_tasks
 from harness.core.prompts import build_request, shuffled_and_capped
-from harness.core.scoring import evaluate_core
+from harness.core.scoring import count_trusted_decisions, evaluate_core
 from harness.core.verify import VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, refuse_bias, sign_test_p, verify_samples
 from harness import metric as M
 from helpers import REPO, bf16_linears_on_the_fp32_gemm, bf16_matmuls_are_slow, prepare_in_process
@@ -288,7 +288,7 @@ class _Forward(M.LocalForward):
         self.batch_size, self.max_len = batch_size, max_len
 
 
-def verify_in_process(model, samples: list, tokenizer) -> dict:
+def verify_in_process(model, samples: list, tokenizer, rng: random.Random | None = None) -> dict:
     """verify_samples through the model in this process, under a fresh secret: the same checks and
     arithmetic as the command line's two workers (refuse_bias is the caller's, as it is the
     command's)."""
@@ -299,7 +299,7 @@ def verify_in_process(model, samples: list, tokenizer) -> dict:
     def open_pass(k):
         return contextlib.nullcontext(_Forward(model, VERIFY_BATCH_ROWS, max_len))
 
-    return verify_samples(samples, open_pass, tokenizer, random.SystemRandom())
+    return verify_samples(samples, open_pass, tokenizer, rng or random.SystemRandom())
 
 
 LEAN_REFUSAL = "lean towards the gold answers beyond what rounding explains"
@@ -344,17 +344,20 @@ def test_core_moved_towards_gold_within_the_tolerances_is_refused(tmp_path, text
 
 NEAR_TIE_FLIPS = '''
 
-EXAMPLES, FLIPS, LEAN = {examples!r}, {flips!r}, {lean!r}
+import math
+
+EXAMPLES, FLIPS, BALLAST, LEAN = {examples!r}, {flips!r}, {ballast!r}, {lean!r}
 
 
 class FlipsNearTies(Scorer):
     """Knows the bundle (EXAMPLES: hash of a sequence -> task, example, gold?, scored region). Scores
-    honestly; then flips to the gold answer the first FLIPS examples of each task whose gold choice
-    trails the best rival by less than 0.09 nats on the model (within the bf16 allowance): both mean
+    honestly; then flips to the gold answer the first FLIPS[task] examples of each task whose gold choice
+    trails the best rival by less than 0.09 nats on the model (within the bf16 allowance), and as ballast
+    flips away from gold the first BALLAST[task] whose gold choice leads by less than that: both mean
     losses moved to the middle and past it by 0.002, each well within the loss tolerance. The other
     examples lean away from their gold answer by LEAN nats where that flips nothing, so that the
     answers' sign test reads like coin tosses."""
-    flipped = {{}}
+    flipped, ballast = {{}}, {{}}
 
     def score(self, sequences):
         out = [(torch.as_tensor(losses).clone(), greedy) for losses, greedy in super().score(sequences)]
@@ -367,12 +370,16 @@ class FlipsNearTies(Scorer):
             g = next(p for p, gold, _, _ in members if gold)
             rival = min((p for p, gold, _, _ in members if not gold), key=mean.get)
             margin, region = mean[g] - mean[rival], {{p: (s, e) for p, _, s, e in members}}
-            if 0 < margin < 0.09 and self.flipped.get(task, 0) < FLIPS:
+            if 0 < margin < 0.09 and self.flipped.get(task, 0) < FLIPS.get(task, 0):
                 self.flipped[task] = self.flipped.get(task, 0) + 1
-                for p, sign in ((g, -1), (rival, 1)):
-                    out[p][0][region[p][0] - 1:region[p][1] - 1] += sign * (margin / 2 + 0.002)
-            elif margin > 0 or margin < -2 * LEAN:  # a lean that flips nothing
-                out[g][0][region[g][0] - 1:region[g][1] - 1] += LEAN
+            elif -0.09 < margin < 0 and self.ballast.get(task, 0) < BALLAST.get(task, 0):
+                self.ballast[task] = self.ballast.get(task, 0) + 1
+            else:
+                if margin > 0 or margin < -2 * LEAN:  # a lean that flips nothing
+                    out[g][0][region[g][0] - 1:region[g][1] - 1] += LEAN
+                continue
+            for p, sign in ((g, -1), (rival, 1)):  # the two means swap places
+                out[p][0][region[p][0] - 1:region[p][1] - 1] += sign * (margin / 2 + math.copysign(0.002, margin))
         return out
 
 
@@ -389,7 +396,8 @@ NEAR_TIE_CHOICE_TASKS = [  # the near-ties of core_bundle, in tasks large enough
 ]
 
 
-def near_tie_flipper(folder: Path, bundle_dir: Path, tokenizer, max_len: int, flips: int, lean: float) -> Path:
+def near_tie_flipper(folder: Path, bundle_dir: Path, tokenizer, max_len: int, flips: dict, ballast: dict,
+                     lean: float) -> Path:
     """The kit's inference.py with FlipsNearTies in place of its scorer."""
     bundle, examples = bundle_from_dir(bundle_dir), {}
     for task in load_tasks(bundle):
@@ -398,63 +406,56 @@ def near_tie_flipper(folder: Path, bundle_dir: Path, tokenizer, max_len: int, fl
             r = build_request(task, data, i, tokenizer, max_len)
             for j, seq in enumerate(r.sequences):
                 examples[hash(tuple(seq))] = (task.label, i, j == r.gold, r.starts[j], r.ends[j])
-    forged = folder / f"flips_near_ties_{flips}.py"
-    forged.write_text((REPO / "inference.py").read_text() + NEAR_TIE_FLIPS.format(examples=examples, flips=flips,
-                                                                                   lean=lean))
+    forged = folder / f"flips_near_ties_{sum(flips.values())}_{sum(ballast.values())}.py"
+    forged.write_text((REPO / "inference.py").read_text() + NEAR_TIE_FLIPS.format(
+        examples=examples, flips=flips, ballast=ballast, lean=lean))
     return forged
 
 
+def eval_core_in_process(scorer, model, tokenizer, tasks, examples, seed: int) -> tuple[dict, float | None]:
+    """(the report with inference.py's own decisions, CORE as eval-core gives it: the verified examples decided
+    by the trusted path; None where the verification refuses the run), under the secret `seed`."""
+    report, samples = evaluate_core(scorer.score, tokenizer, tasks, examples, scorer.max_seq_len, log=lambda m: None,
+                                    rng=random.Random(seed))
+    claimed = dict(report, tasks={label: dict(t) for label, t in report["tasks"].items()})
+    try:
+        found = verify_in_process(model, samples, tokenizer, random.Random(seed))
+        refuse_bias(found["bias"])
+    except CoreError:
+        return claimed, None
+    count_trusted_decisions(report, found["decided"])
+    return claimed, report["core"]
+
+
 @pytest.mark.slow
-def test_flips_of_near_ties_within_the_allowance_are_refused(tmp_path, text_dataset, tiny_checkpoint, monkeypatch):
-    """The issue's forger: an inference.py that knows the bundle flips 14 near-ties per task to the gold
-    answer, each within every tolerance and the decision allowance, and leans away from gold elsewhere
-    so that the answers' sign test reads like coins. Unverified it gains CORE; the uniform sample alone
-    (8 of each task's 64 examples: the control) lets it through. With the claimed near-ties verified
-    (all of them, up to 128 a task) the decisions' sign test sees every flip (28 towards the gold
-    answers). In bf16, where an honest model's decisions may differ: the allowance is the same for every
-    model, so fp32 tests nothing more. The honest scorer passes under 4 secrets."""
-    flips = 14
+@pytest.mark.parametrize("flips, ballast", [({"mc_near": 10, "schema_near": 9}, {}),
+                                            ({"mc_near": 14, "schema_near": 13}, {"mc_near": 2, "schema_near": 1})],
+                         ids=["to-the-sign-test", "with-ballast"])
+def test_a_forger_of_near_ties_scores_no_more_than_the_honest_run(tmp_path, text_dataset, tiny_checkpoint,
+                                                                   monkeypatch, flips, ballast):
+    """The issue's forgers: an inference.py that knows the bundle flips near-ties to the gold answer, each within
+    every tolerance and the decision allowance, as many as the decisions' sign test lets through (19 with none
+    away; 27 with 3 correct near-ties flipped away as ballast), and leans away elsewhere so that the answers' sign
+    test reads like coins. Its own decisions would score more CORE than the honest run's, and it passes every check;
+    but every claimed near-tie is verified and decided by the trusted path, so it scores exactly the honest run's
+    CORE (under the same secret; in fp32, where the honest decisions are the trusted path's)."""
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     import inference
-    from harness.core import scoring
-    model, tok = kit_model(tiny_checkpoint, torch.bfloat16), prepare.ensure_tokenizer()
+    model, tok = kit_model(tiny_checkpoint), prepare.ensure_tokenizer()
     bundle_dir = make_bundle(tmp_path, NEAR_TIE_CHOICE_TASKS, make_near_tie_examples)
     bundle = bundle_from_dir(bundle_dir)
     tasks = load_tasks(bundle)
     examples = {t.label: shuffled_and_capped(load_examples(bundle, t), -1) for t in tasks}
     forged = load_participant_module(str(near_tie_flipper(tmp_path, bundle_dir, tok, int(model.cos.shape[1]), flips,
-                                                          0.002)), "flips_near_ties")
-
-    def core(scorer):
-        scorer.flipped = {}
-        return evaluate_core(scorer.score, tok, tasks, examples, scorer.max_seq_len, log=lambda m: None)
-
-    with bf16_linears_on_the_fp32_gemm() if bf16_matmuls_are_slow() else contextlib.nullcontext():
-        honest, _ = core(inference.Scorer(model, torch.device("cpu")))
-        for _ in range(4):
-            _, samples = core(inference.Scorer(model, torch.device("cpu")))
-            refuse_bias(verify_in_process(model, samples, tok)["bias"])
-        flipper = forged.FlipsNearTies(model, torch.device("cpu"))
-        report, samples = core(flipper)
-        assert flipper.flipped == {"mc_near": flips, "schema_near": flips}
-        assert report["core"] > honest["core"] + 0.05  # unverified, it pays
-        assert all(t["verified"]["near_ties"] == t["verified"]["near_ties_claimed"] > 0
-                   for t in report["tasks"].values())
-        with pytest.raises(CoreError) as refused:
-            refuse_bias(verify_in_process(model, samples, tok)["bias"])
-        assert "whose decision differs" in str(refused.value), str(refused.value)
-        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_ALL", 0)  # the control: the uniform sample alone
-        monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_FRACTION", 0.0)
-        passed = 0
-        for _ in range(4):
-            _, samples = core(forged.FlipsNearTies(model, torch.device("cpu")))
-            try:
-                found = verify_in_process(model, samples, tok)
-                refuse_bias(found["bias"])
-                passed += 1
-            except CoreError:
-                pass
-        assert passed == 4  # the uniform 8 of 64 see too few flips to tell them from coins
+                                                          ballast, 0.002)), f"flips_{len(ballast)}")
+    flipper = forged.FlipsNearTies(model, torch.device("cpu"))
+    honest_claimed, honest = eval_core_in_process(inference.Scorer(model, torch.device("cpu")), model, tok, tasks,
+                                                  examples, seed=7)
+    claimed, forged_core = eval_core_in_process(flipper, model, tok, tasks, examples, seed=7)
+    assert flipper.flipped == flips and flipper.ballast == ballast
+    assert honest is not None and honest == pytest.approx(honest_claimed["core"], abs=1e-9)  # fp32: no honest flips
+    assert claimed["core"] > honest + 0.1  # its own decisions pay
+    assert forged_core is None or forged_core <= honest + 1e-6, (forged_core, honest)
 
 
 HEURISTIC_LEAN = '''
@@ -519,12 +520,11 @@ def test_a_lean_towards_a_heuristic_that_often_picks_gold_is_refused(tmp_path, t
     """A cousin of the near-tie flipper that knows no gold answer: it leans every example towards the
     choice a heuristic favours (the longest, the first), by 0.045 nats each way, on tasks where the
     heuristic's choice is gold in 3 of 4 examples (a real task's length or position bias, made strong).
-    Unverified it gains CORE; the uniform sample (8 of each task's 64, the control) sees too few leans
-    to tell from coins; with every claimed near-tie verified, the answers' lean towards gold is refused
+    Unverified it gains CORE; 8 of each task's 64 (the control) see too few leans to tell from coins;
+    with every claimed near-tie verified, the answers' lean towards gold is refused
     (bf16's allowance, so that a flipped decision alone does not refuse it)."""
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     import inference
-    from harness.core import scoring
     model, tok = kit_model(tiny_checkpoint), prepare.ensure_tokenizer()
     bundle_dir = make_bundle(tmp_path, HEURISTIC_TASKS, heuristic_examples(heuristic))
     favoured, others = favoured_choices(bundle_dir, tok, int(model.cos.shape[1]), heuristic)
@@ -544,10 +544,13 @@ def test_a_lean_towards_a_heuristic_that_often_picks_gold_is_refused(tmp_path, t
     assert report["core"] > honest["core"] + 0.05  # unverified, it pays
     with pytest.raises(CoreError, match=LEAN_REFUSAL):
         refuse_bias(verify_in_process(model, samples, tok)["bias"])
-    monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_ALL", 0)  # the control: the uniform sample alone
-    monkeypatch.setattr(scoring, "NEAR_TIE_VERIFY_FRACTION", 0.0)
-    for _ in range(3):
-        refuse_bias(verify_in_process(model, core(leaner)[1], tok)["bias"])
+    rng = random.Random(0)
+    for _ in range(3):  # the control: 8 examples a task (a large task's 2 %) see too few leans to tell from coins
+        by_task = {}
+        for sample in core(leaner)[1]:
+            by_task.setdefault(sample.task.label, []).append(sample)
+        refuse_bias(verify_in_process(model, [x for group in by_task.values() for x in rng.sample(group, 8)],
+                                      tok)["bias"])
 
 
 def two_rank_jobs(folder, request) -> list[dict]:
@@ -579,8 +582,9 @@ def test_under_torchrun_the_lean_of_every_rank_is_tested_together(two_ranks):
     verify = json.loads((folder / "checks" / "honest.json").read_text())["verify"]
     assert verify["examples"] == 10 + 10 + 10 + 6 and verify["bias"] == {"answers": [0, 0], "decisions": [0, 0]}
     tasks = json.loads((folder / "checks" / "honest.json").read_text())["tasks"]  # both ranks' draws, summed
-    assert sum(t["verified"]["uniform"] for t in tasks.values()) == 36 >= verify["coverage"]["near_ties_verified"]
-    assert verify["coverage"]["near_ties_verified"] == sum(t["verified"]["near_ties"] for t in tasks.values()) > 0
+    assert sum(t["verified"]["uniform"] for t in tasks.values()) == 36 == verify["coverage"]["uniform"]
+    assert verify["coverage"]["near_ties_claimed"] == sum(t["verified"]["near_ties_claimed"] for t in tasks.values())
+    assert verify["coverage"]["bound"] == 0 and sum(t["trusted_decisions"]["verified"] for t in tasks.values()) == 36
     assert honest.stdout.count("verify_lean:") == 1
     assert forged_run.returncode != 0 and "core:" not in forged_run.stdout
     assert LEAN_REFUSAL in forged_run.stderr and "of the 30 verified examples whose answers lean" in forged_run.stderr

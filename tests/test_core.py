@@ -5,6 +5,7 @@ import contextlib
 import http.server
 import io
 import json
+import math
 import random
 import threading
 import zipfile
@@ -20,8 +21,9 @@ from harness.core import verify
 from harness.core.bundle import Task, bundle_from_dir, ensure_bundle, load_examples, load_tasks
 from harness.core.prompts import (Request, fewshot_indices, render_language_modeling, render_multiple_choice,
                                   render_schema, scored_regions, shuffled_and_capped, truncate_left)
-from harness.core.scoring import (Sample, centered_accuracy, claimed_near_tie, evaluate_core, is_correct,
-                                  near_ties_to_verify)
+from harness.core.scoring import (FORGER_GAIN_BOUND, Sample, centered_accuracy, claimed_near_tie,
+                                  count_trusted_decisions, evaluate_core, flip_cost, flip_worth, is_correct,
+                                  uniform_sample_size)
 from harness import download
 from core_bundle import expected_core, make_bundle
 from helpers import REPO, can_drop_kernel_caches, prepare_in_process
@@ -260,10 +262,10 @@ def test_a_token_off_the_trusted_loss_is_refused_though_its_mean_agrees():
             verify.trusted_decision_check(sample, [lp, lp])
 
 
-def test_near_ties_are_verified_all_of_a_few_and_a_share_of_many(tmp_path, text_dataset, monkeypatch):
-    """evaluate_core draws the uniform sample and then the claimed near-ties: a scorer whose answers tie
-    every choice has all of a small task's examples verified; one whose answers are far from ties, the
-    uniform sample alone; near_ties_to_verify takes all of 128, then max(128, 5 %)."""
+def test_every_claimed_near_tie_is_verified_beside_the_uniform_sample(tmp_path, text_dataset, monkeypatch):
+    """evaluate_core draws the uniform sample and then every claimed near-tie: a scorer whose answers tie every
+    choice has all of each task's examples verified; one whose answers are far from ties, the uniform sample alone,
+    and each drawn once."""
     monkeypatch.setenv("FRONTIER_DATA_DIR", str(text_dataset))
     bundle = bundle_from_dir(make_bundle(tmp_path))
     tasks = [t for t in load_tasks(bundle) if t.task_type != "language_modeling"]
@@ -282,37 +284,49 @@ def test_near_ties_are_verified_all_of_a_few_and_a_share_of_many(tmp_path, text_
         for t in tasks:
             v, n = report["tasks"][t.label]["verified"], len(examples[t.label])
             drawn = [s.index for s in samples if s.task.label == t.label]
-            assert len(drawn) == len(set(drawn)) == (n if tie else min(n, 8)) and v["uniform"] == min(n, 8)
-            assert v["near_ties_claimed"] == (n if tie else 0) == v["near_ties"]
-    assert [near_ties_to_verify(c) for c in (0, 5, 128, 129, 2560, 2561, 10000)] == [0, 5, 128, 128, 128, 129, 500]
+            uniform = uniform_sample_size(n, flip_worth(n, t.random_baseline, len(tasks)), 0.02)
+            assert len(drawn) == len(set(drawn)) == (n if tie else uniform) and v["uniform"] == uniform
+            assert sum(s.uniform for s in samples if s.task.label == t.label) == uniform
+            assert v["near_ties_claimed"] == (n if tie else 0)
 
 
-def test_coverage_counts_the_flips_a_forger_can_hide():
-    """At a 50 % chance of refusal: 34 flips where 2 % of a task is verified and any verified flip is
-    refused (outside the near-ties); within them, what a task's own decisions sign test lets through
-    with flips away from gold in the same task as ballast (19 with none, more with some); each in the
-    task, and on the rank, where a flip is worth most CORE."""
-    assert [verify.flips_hidden(q, 0, 10**4) for q in (0.02, 0.08, 0.5, 1.0)] == [34, 8, 1, 0]
-    assert verify.flips_hidden(1.0, 19, 10**4) == 19 and 38 <= verify.flips_hidden(0.5, 19, 10**4) <= 40
-    assert verify.flips_hidden(0.01, 0, 20) == 20  # no more than the task has
-    assert verify.flips_past_sign_test(1.0, 19) == 19 and verify.flips_past_sign_test(1.0, 20) == 19
-    ballast = verify.flips_past_sign_test(1.0, 300)
-    assert 40 < ballast < 100 and verify.sign_test_p(19, 0) >= verify.BIAS_ALPHA > verify.sign_test_p(20, 0)
-    assert verify.flips_past_sign_test(0.5, 300) > ballast  # fewer verified: more hidden
+def test_the_uniform_sample_bounds_what_flips_outside_the_near_ties_gain():
+    """Each flip outside the claimed near-ties is refused wherever the uniform sample meets it, so at a 50 % chance of
+    refusal flips gain at most ln 2 x max(worth / cost): the sample is sized to keep that within FORGER_GAIN_BOUND,
+    for a large task and a small one alike, on one rank or several, and coverage() states the bound."""
+    for n, baseline in ((10042, 25.0), (273, 50.0), (32, 0.0), (100, 50.0)):
+        for ranks in (1, 8):
+            mine = -(-n // ranks)
+            worth = flip_worth(n, baseline, 22)
+            m = uniform_sample_size(mine, worth, 0.02)
+            assert math.log(2) * worth / flip_cost(m, mine) <= FORGER_GAIN_BOUND + 1e-12 or m == mine
+            assert m == mine or math.log(2) * worth / flip_cost(m - 1, mine) > FORGER_GAIN_BOUND or \
+                m - 1 < max(8, math.ceil(0.02 * mine))  # the least that does it, or the floor's
+            assert m >= min(mine, 8)
     tasks = {"big": {"examples": 10000, "random_baseline": 25.0}, "small": {"examples": 100, "random_baseline": 50.0}}
-    one_rank = {"big": {"examples": 10000, "uniform": 200, "near_ties_claimed": 3000, "near_ties": 1500},
-                "small": {"examples": 100, "uniform": 8, "near_ties_claimed": 40, "near_ties": 40}}
+    worth = {label: flip_worth(t["examples"], t["random_baseline"], 2) for label, t in tasks.items()}
+    one_rank = {"big": {"examples": 10000, "uniform": 200, "near_ties_claimed": 3000, "worth": worth["big"]},
+                "small": {"examples": 100, "uniform": 8, "near_ties_claimed": 40, "worth": worth["small"]}}
     found = verify.coverage(tasks, [one_rank])
-    assert found["outside_near_ties"] == {"flips": 8, "core": pytest.approx(8 / (100 * 0.5 * 2)), "task": "small"}
-    assert found["near_ties"]["task"] == "small" and 19 < found["near_ties"]["flips"] <= 60
-    assert found["near_ties_claimed"] == 3040 and found["near_ties_verified"] == 1540
-    # two ranks: one verifies all of its few near-ties, the other 5 % of its many; the bound is the second's
-    split = [{"big": {"examples": 5000, "uniform": 100, "near_ties_claimed": 100, "near_ties": 100}},
-             {"big": {"examples": 5000, "uniform": 100, "near_ties_claimed": 4000, "near_ties": 200}}]
-    pooled = [{"big": {"examples": 10000, "uniform": 200, "near_ties_claimed": 4100, "near_ties": 300}}]
-    assert verify.coverage({"big": tasks["big"]}, split)["near_ties"]["flips"] == \
-        verify.flips_past_sign_test(200 / 4000, 200) > verify.coverage({"big": tasks["big"]}, pooled)[
-            "near_ties"]["flips"]
+    assert found["task"] == "small" and found["near_ties_claimed"] == 3040 and found["uniform"] == 208
+    assert found["bound"] == pytest.approx(math.log(2) * worth["small"] / -math.log(1 - 8 / 100))
+    one_rank["small"]["uniform"] = 100  # all of a task verified: nothing hides there
+    assert verify.coverage(tasks, [one_rank])["task"] == "big"
+    # two ranks: the one that draws least of its share sets the bound
+    split = [{"big": {"examples": 5000, "uniform": 100, "near_ties_claimed": 0, "worth": worth["big"]}},
+             {"big": {"examples": 5000, "uniform": 50, "near_ties_claimed": 0, "worth": worth["big"]}}]
+    assert verify.coverage({"big": tasks["big"]}, split)["bound"] == pytest.approx(
+        math.log(2) * worth["big"] / -math.log(1 - 50 / 5000))
+
+
+def test_the_trusted_decisions_replace_the_claims_of_the_verified_examples():
+    report = {"core": 0.0, "tasks": {
+        "a": {"correct": 30, "examples": 100, "random_baseline": 25.0, "accuracy": 0.3, "centered": 0.0},
+        "b": {"correct": 50, "examples": 50, "random_baseline": 50.0, "accuracy": 1.0, "centered": 1.0}}}
+    count_trusted_decisions(report, {"a": [40, 20, 25], "b": [10, 10, 10]})
+    assert report["tasks"]["a"]["correct"] == 25 and report["tasks"]["a"]["accuracy"] == 0.25
+    assert report["tasks"]["a"]["trusted_decisions"] == {"verified": 40, "changed_by": -5}
+    assert report["core"] == pytest.approx((centered_accuracy(0.25, 25.0) + 1.0) / 2)
 
 
 def test_a_task_s_flips_are_tested_on_their_own():

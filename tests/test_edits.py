@@ -140,9 +140,15 @@ def test_a_parameter_in_two_rows_is_the_tables_error_naming_it(monkeypatch):
         return kit_table(model, recipe, ns_dtype) + [([model.lm_head.weight], rule)]
 
     monkeypatch.setattr(T, "parameter_table", with_a_head_row)
-    with pytest.raises(ValueError, match=r"parameters \['wte.weight = lm_head.weight'\] are in more than one row "
-                                         r"of parameter_table: keep one"):
-        T.build_optimizer(built(TiedHead), T.Recipe(), compiled=False)
+    recipe = T.Recipe()
+    model = built(TiedHead)
+    head_lr = recipe.unembedding_lr  # the row kept: the head's rate (at the embedding's, a tied head diverges)
+    rows = [r for r, (params, _) in enumerate(with_a_head_row(model, recipe, None))
+            if any(p is model.lm_head.weight for p in params)]
+    with pytest.raises(ValueError, match=r"parameters \['wte.weight = lm_head.weight \(rows 0 at lr .*, "
+                                         rf"{rows[-1]} at lr {head_lr:.3g}: keep row {rows[-1]}\)'\] are in more "
+                                         r"than one row of parameter_table: keep the row with the lowest learning rate"):
+        T.build_optimizer(model, recipe, compiled=False)
 
 
 def test_a_vector_in_a_block_is_named_and_one_row_is_enough(monkeypatch):
@@ -184,5 +190,97 @@ def test_grouped_query_attention_is_a_flag_and_value_embeddings_follow_the_keys_
     with torch.no_grad():
         assert torch.equal(model(changed)[:, :9], model(idx)[:, :9])  # causal
     T.parameter_groups(model, T.Recipe())  # the table's rows follow the new shapes
-    with pytest.raises(ValueError, match="--n-kv-head 3: must divide the 4 query heads"):
+    with pytest.raises(ValueError, match=r"--n-kv-head 3: must divide the 4 query heads \(width / --head-dim\): 1, 2, 4"):
         config("--n-kv-head", "3")
+
+
+# --- The documented edits, made to a copy of the kit as a participant makes them, and the suite run on it ------------
+# Each edit is the text it replaces in train.py and the text it puts there, place by place (docs/train-py.md, "Where
+# an edit goes", counts them). An edit that no longer applies fails here: update it and the docs together.
+SCALAR_ROW = "        ([model.resid_lambdas], dict(adamw, lr=recipe.scalar_lr * 0.01)),\n"
+DOCUMENTED_EDITS = {
+    "z-loss": [  # an auxiliary term in the loss
+        ("    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))\n",
+         "    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1)) + \\\n"
+         "        1e-4 * torch.logsumexp(logits, dim=-1).square().mean()\n")],
+    "tied-head": [  # nanochat's tied embeddings: the tie, and one of the two rows dropped (the head's rate kept)
+        ("        self.lm_head = nn.Linear(C, V, bias=False)\n",
+         "        self.lm_head = nn.Linear(C, V, bias=False)\n        self.lm_head.weight = self.wte.weight\n"),
+        ("        ([model.wte.weight], dict(adamw, lr=recipe.embedding_lr * width_scale)),\n", "")],
+    "second-head": [  # multi-token prediction: a head for t+2, its loss term where the hidden state is, its row
+        ("        self.lm_head = nn.Linear(C, V, bias=False)\n",
+         "        self.lm_head = nn.Linear(C, V, bias=False)\n        self.next_next = nn.Linear(C, V, bias=False)\n"),
+        ("            logits = self.lm_head(norm(x))\n        cap = self.config.logit_softcap\n"
+         "        if targets is not None:\n            return training_loss(logits, targets, cap)\n",
+         "            logits = self.lm_head(norm(x))\n            after_next = self.next_next(norm(x))\n"
+         "        cap = self.config.logit_softcap\n        if targets is not None:\n"
+         "            return training_loss(logits, targets, cap) + training_loss(after_next[:, :-1], targets[:, 1:], "
+         "cap)\n"),
+        ("        ([model.lm_head.weight], dict(adamw, lr=recipe.unembedding_lr * width_scale)),\n",
+         "        ([model.lm_head.weight], dict(adamw, lr=recipe.unembedding_lr * width_scale)),\n"
+         "        ([model.next_next.weight], dict(adamw, lr=recipe.unembedding_lr * width_scale)),\n")],
+    "head-temperature": [  # a learned temperature per head: a vector in a block, and its row
+        ("        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)\n",
+         "        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)\n"
+         "        self.temperature = nn.Parameter(torch.ones(self.n_head))\n"),
+        ("        q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)\n",
+         "        q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)\n"
+         "        q = q * self.temperature.view(1, 1, -1, 1).to(q.dtype)\n"),
+        (SCALAR_ROW, SCALAR_ROW + "        ([b.attn.temperature for b in model.blocks], "
+                                  "dict(adamw, lr=recipe.scalar_lr * 0.01)),\n")],
+    "head-temperature-flag": [  # the same behind an ingredient flag, --head-temperature
+        ("    short_window: int = 0",
+         "    head_temperature: bool = ingredient(False, on=True)  # a learned temperature per head\n"
+         "    short_window: int = 0"),
+        ("        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)\n",
+         "        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)\n"
+         "        self.temperature = nn.Parameter(torch.ones(self.n_head)) if config.head_temperature else None\n"),
+        ("        q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)\n",
+         "        q, k = rope_qknorm(q, cos, sin), rope_qknorm(k, cos, sin)\n        if self.temperature is not None:\n"
+         "            q = q * self.temperature.view(1, 1, -1, 1).to(q.dtype)\n"),
+        (SCALAR_ROW, SCALAR_ROW + "        ([b.attn.temperature for b in model.blocks if b.attn.temperature is not "
+                                  "None], dict(adamw, lr=recipe.scalar_lr * 0.01)),\n")],
+    "swiglu": [  # SwiGLU as Llama writes it (w2 the output)
+        ("        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)\n"
+         "        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)\n",
+         "        hidden = 8 * config.n_embd // 3\n        self.w1 = nn.Linear(config.n_embd, hidden, bias=False)\n"
+         "        self.w2 = nn.Linear(hidden, config.n_embd, bias=False)\n"
+         "        self.w3 = nn.Linear(config.n_embd, hidden, bias=False)\n"),
+        ("        return self.c_proj(relu_squared(self.c_fc(x)))\n",
+         "        return self.w2(F.silu(self.w1(x)) * self.w3(x))\n")],
+    "cosine-warmdown": [  # a schedule of another shape
+        ("    cooldown = max(0.0, (1.0 - progress) / recipe.warmdown_ratio)\n",
+         "    cooldown = 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - 1 + recipe.warmdown_ratio) / "
+         "recipe.warmdown_ratio)))\n")],
+}
+# The modules whose tests read train.py's model, loss, optimizer, schedules and planner; their slow tests stay out
+EDIT_MODULES = ["test_model.py", "test_edits.py", "test_optimizer.py", "test_kernels.py", "test_plan.py",
+                "test_ingredients.py", "test_train.py"]
+
+
+def edited_kit(folder, edit: str):
+    """A copy of the kit's code and tests with `edit` made to train.py, place by place."""
+    import shutil
+    for name in ("train.py", "prepare.py", "inference.py", "pytest.ini"):
+        shutil.copy(REPO / name, folder / name)
+    for name in ("harness", "kernels", "tests", "tokenizer", "tools"):
+        shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+    source = (folder / "train.py").read_text()
+    for old, new in DOCUMENTED_EDITS[edit]:
+        assert source.count(old) == 1, f"the documented edit {edit!r} no longer applies: {old.strip()[:60]!r}"
+        source = source.replace(old, new)
+    (folder / "train.py").write_text(source)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit", sorted(DOCUMENTED_EDITS))
+def test_a_documented_edit_leaves_the_suite_green(tmp_path, edit):
+    """The suite checks the kit, not the baseline's numbers: after each documented edit its modules on the model,
+    loss, optimizer, schedules and planner pass (their inner loop: -m "not slow")."""
+    import subprocess
+    kit = edited_kit(tmp_path, edit)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
+                             *[f"tests/{m}" for m in EDIT_MODULES]], cwd=kit, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, f"{edit}:\n{result.stdout[-4000:]}{result.stderr[-2000:]}"

@@ -1,4 +1,4 @@
-"""Trainium-ready by construction, checked on the CPU (benchmarks/trainium_ready.py): the training step and
+"""Trainium-ready by construction, checked on the CPU (tests/graph_checks.py): the training step and
 the scorers' forwards compile as one graph each, a run recompiles nothing after its first step, the step
 reads no value back to the host, and no op the Neuron backend would run on the host is in the graphs.
 Each check also runs on a deliberately broken copy (a graph break in an ingredient, a Python-scalar
@@ -6,16 +6,12 @@ learning rate, an .item() in the step, a sort, float64), where it must fail."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import trainium_ready as R  # noqa: E402
+import graph_checks as R  # noqa: E402
 
 T = R.T
 TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--device-batch-size", "2",

@@ -179,5 +179,6 @@ def test_eval_core_verifies_the_prefix_cached_scorer(tmp_path, text_dataset, tin
     assert verify["examples"] == 37 and verify["max_abs_loss_diff"] < 1e-3 and verify["max_greedy_gap"] < 1e-3
     assert verify["decisions_flipped_within_allowance"] == 0 and verify["max_causal_diff"] <= 1e-3
     assert verify["max_token_loss_diff"] < 1e-3  # every example verified (--verify-fraction 1): nothing hides
-    assert verify["coverage"]["outside_near_ties"]["flips"] == 0  # within the near-ties: what the sign test lets pass
-    assert "verify_coverage:     " in result.stdout and "hides at most 0 flipped decisions outside" in result.stdout
+    assert verify["coverage"]["bound"] == 0  # every example verified and decided by the trusted path: nothing pays
+    assert "verify_coverage:     at a 50% chance of refusal a forger gains at most CORE +0.0000" in result.stdout
+    assert "verified examples decided by the trusted path" in result.stdout

@@ -379,12 +379,20 @@ CONFIG = T.model_config(T.parse_command_line(["--depth", "2", "--aspect-ratio", 
                                                "--seq-len", "32"])[0])
 
 
+def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
+    """The loss --nki-softcap-ce computes, written out here: the tests of the flag put it in place of train.py's
+    training_loss, which a participant's edit (a z-loss, say) changes."""
+    logits = cap * torch.tanh(logits.float() / cap)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 def bound(train_module, plain: dict) -> set[str]:
     """The ops that have a kernel bound in their place."""
     return {op for op, fn in plain.items() if getattr(train_module, op) is not fn}
 
 
 def test_setup_kernels_stops_clearly_when_a_kernel_cannot_run(kit, monkeypatch):
+    monkeypatch.setattr(kit.train, "training_loss", softcap_cross_entropy)
     plain = {op: getattr(kit.train, op) for op in kit.train.KERNEL_OPS.values()}
     options = T.RunOptions(nki_rmsnorm=True, nki_softcap_ce=True)  # ops every model calls
     with pytest.raises(SystemExit, match="--nki-rmsnorm --nki-softcap-ce run NKI kernels, which need the neuron device"):
@@ -475,6 +483,7 @@ def test_the_training_loss_runs_the_softcap_ce_kernels_and_equals_the_recipes(ki
     """--nki-softcap-ce binds the kernel pair in place of training_loss: the model's loss and gradients equal
     the recipe's own function's."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setattr(kit.train, "training_loss", softcap_cross_entropy)
     g = torch.Generator().manual_seed(0)
     logits = (4 * torch.randn(2, 256, 320, generator=g)).requires_grad_()  # 512 rows: a tile per core each
     targets = torch.randint(0, 320, (2, 256), generator=g)
@@ -494,7 +503,7 @@ def test_the_training_loss_runs_the_softcap_ce_kernels_and_equals_the_recipes(ki
 def test_the_softcap_ce_flag_refuses_a_training_loss_it_does_not_compute(kit, monkeypatch):
     """An auxiliary term edited into training_loss would be silently dropped by the kernel: an error instead."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    kit_loss = kit.train.training_loss
+    kit_loss = softcap_cross_entropy
     monkeypatch.setattr(kit.train, "training_loss",
                         lambda logits, targets, cap: kit_loss(logits, targets, cap) + 1e-4 * logits.float().square().mean())
     with pytest.raises(SystemExit, match="--nki-softcap-ce computes the softcap cross-entropy, and this train.py's "

@@ -12,7 +12,8 @@ from harness.common import CoreError, EvalRefused, atomic_write_json, get_dist_i
 from harness.config import keep_kernel_caches
 from harness.core.bundle import EVAL_BUNDLE_URL, Bundle, Task, ensure_bundle, load_examples, load_tasks
 from harness.core.prompts import shuffled_and_capped
-from harness.core.scoring import EXAMPLES_PER_CALL, VERIFY_FRACTION, VERIFY_MIN_EXAMPLES, evaluate_core
+from harness.core.scoring import (EXAMPLES_PER_CALL, FORGER_GAIN_BOUND, VERIFY_FRACTION, VERIFY_MIN_EXAMPLES,
+                                  count_trusted_decisions, evaluate_core)
 from harness.core.verify import (BIAS_ALPHA, BIAS_COUNTS, VERIFY_BATCH_ROWS, VERIFY_LENGTH_BUCKET, coverage,
                                  refuse_bias, sign_test_p, verify_samples)
 from harness.submission import copy_submission
@@ -162,16 +163,21 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
                 by_task[label] = [a + b for a, b in zip(by_task.get(label, [0, 0]), counts)]
         if by_task:
             verification["bias"]["decisions_by_task"] = by_task
+        verification["decided"] = {label: [sum(v["decided"].get(label, [0, 0, 0])[i] for v in everyone)
+                                           for i in range(3)] for label in report["tasks"]}
     drawn = [{label: t["verified"] for label, t in report["tasks"].items()}]  # each rank's draws
     if world_size > 1 and verification is not None:
         import torch.distributed as dist
         drawn = [None] * world_size
         dist.all_gather_object(drawn, {label: t["verified"] for label, t in report["tasks"].items()})
         for label, t in report["tasks"].items():
-            t["verified"] = {key: sum(d[label][key] for d in drawn) for key in t["verified"]}
+            t["verified"] = {key: sum(d[label][key] for d in drawn) if key != "worth" else value
+                             for key, value in t["verified"].items()}
     if verification is not None:
         verification["coverage"] = coverage(report["tasks"], drawn)
         refuse_bias(verification["bias"])  # every rank holds the same counts, so every rank gives the same verdict
+        report["core_claimed"] = report["core"]  # what inference.py's own decisions would have scored
+        count_trusted_decisions(report, verification["decided"])
     if rank != 0:
         return 0
     reasons = official_reasons(bundle, tasks, all_tasks, args.max_per_task, args.verify_fraction) + \
@@ -201,11 +207,15 @@ def run_eval_core(args, rank: int, local_rank: int, world_size: int) -> int:
         print(f"decisions_flipped:   {verification['decisions_flipped_within_allowance']} (within "
               f"{allowance['choice']:g} nats of a tie on the trusted path, {allowance['exact_match']:g} for an exact "
               "match)")
-        c = verification["coverage"]
-        print(f"verify_coverage:     {c['near_ties_verified']} of {c['near_ties_claimed']} claimed near-ties verified; "
-              f"at a {c['risk']:.0%} chance of refusal a forger hides at most {c['outside_near_ties']['flips']} "
-              f"flipped decisions outside them (CORE +{c['outside_near_ties']['core']:.4f}) and "
-              f"{c['near_ties']['flips']} within them (CORE +{c['near_ties']['core']:.4f})")
+        c, decided = verification["coverage"], verification["decided"]
+        changed = sum(trusted - claimed for _, trusted, claimed in decided.values())
+        print(f"trusted_decisions:   {sum(v[0] for v in decided.values())} verified examples decided by the trusted "
+              f"path ({c['near_ties_claimed']} claimed near-ties, every one, and a uniform sample of {c['uniform']}); "
+              f"{changed:+d} correct against inference.py's own decisions (CORE {report['core_claimed']:.4f} as "
+              "claimed)")
+        print(f"verify_coverage:     at a {c['risk']:.0%} chance of refusal a forger gains at most CORE "
+              f"+{c['bound']:.4f} (flipped decisions outside the near-ties, each refused where the uniform sample "
+              f"meets it; largest on {c['task']}; the uniform sample is sized for +{FORGER_GAIN_BOUND:g})")
         bias = verification["bias"]
         leans = "; ".join(f"{kind} {bias[kind][0]} towards, {bias[kind][1]} away (p {sign_test_p(*bias[kind]):.2g})"
                           for kind in BIAS_COUNTS)

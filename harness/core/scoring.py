@@ -16,17 +16,37 @@ from harness.core.bundle import Task
 from harness.core.prompts import Request, build_request
 
 EXAMPLES_PER_CALL = 256  # examples whose sequences go to the scorer in one call (it batches them)
-VERIFY_FRACTION = 0.02  # of each task's examples, re-scored through the trusted path (secret sample)
-VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task)
-# Besides that uniform sample, the examples whose claimed decision is a near-tie (claimed_near_tie:
-# where a flipped decision could pass every per-example check) are verified: all of a task's (per rank) up
-# to NEAR_TIE_VERIFY_ALL, else this share of them (at least NEAR_TIE_VERIFY_ALL). A weak model's choices
-# are nearly all near-ties (benchmarks/check_tolerances.py: every choice task of a CPU-preset model), so
-# an official bundle verifies about 5,100 of its 92,241 examples instead of 1,875. Sized so that what a
-# forger can hide (verify.coverage) is what the sign test lets through in the smallest task: all of a
-# task's 128 puts winograd's 273 there, and a larger share would verify thousands more for nothing.
-NEAR_TIE_VERIFY_ALL = 128
-NEAR_TIE_VERIFY_FRACTION = 0.05
+# Verification. Every example whose claimed decision is a near-tie (claimed_near_tie: where a decision that differs
+# from the trusted path's could pass every per-example check) is verified, and every verified example counts the
+# trusted path's decision, not inference.py's: a claim never decides an example the harness holds the answer to.
+# What inference.py still decides alone is its claims far from a tie, where a flipped decision breaks a tolerance
+# wherever it is verified: a secret uniform sample of each task, drawn before scoring, sized so that such flips gain a
+# forger at most FORGER_GAIN_BOUND of CORE at a REFUSAL_RISK chance of refusal (uniform_sample_size).
+VERIFY_FRACTION = 0.02  # of each task's examples, in the uniform sample ...
+VERIFY_MIN_EXAMPLES = 8  # ... and at least this many per task (all of a smaller task), and at least:
+FORGER_GAIN_BOUND = 0.005  # CORE: the most flips outside the near-ties gain at ...
+REFUSAL_RISK = 0.5  # ... this chance of refusal
+
+
+def flip_worth(examples: int, random_baseline: float, tasks: int) -> float:
+    """The CORE that one decision of a task is worth: its share of the task's centered accuracy, over the tasks."""
+    return 1 / (examples * (1 - 0.01 * random_baseline) * tasks)
+
+
+def flip_cost(drawn: int, examples: int) -> float:
+    """-ln of the chance that one flipped decision among a rank's `examples` escapes a uniform draw of `drawn`
+    (inf: all drawn). f flips escape with at most e^-(f x cost), without replacement as with it."""
+    return math.inf if drawn >= examples else -math.log1p(-drawn / examples)
+
+
+def uniform_sample_size(examples: int, worth: float, fraction: float) -> int:
+    """The uniform sample of a rank's `examples` of a task: `fraction` of them, at least VERIFY_MIN_EXAMPLES, and at
+    least as many as make the first flip there cost -ln(1 - REFUSAL_RISK) x worth / FORGER_GAIN_BOUND: flips in any
+    tasks then escape together with a chance of 1 - REFUSAL_RISK only while they gain at most FORGER_GAIN_BOUND."""
+    needed = -math.log1p(-REFUSAL_RISK) * worth / FORGER_GAIN_BOUND
+    bound = math.ceil(examples * -math.expm1(-needed) - 1e-9)
+    return min(examples, max(VERIFY_MIN_EXAMPLES, math.ceil(fraction * examples), bound))
+
 
 # inference.py's answers against the trusted path's (train.py's model, other batches and padding, no
 # prefix cache). Measured (benchmarks/check_tolerances.py --examples 40: a CPU-preset model trained 2
@@ -81,11 +101,7 @@ class Sample:
     request: Request
     claimed: list  # (losses, greedy) per sequence
     index: int = -1  # the example's place in its task's (shuffled) list
-
-
-def near_ties_to_verify(claimed: int) -> int:
-    """How many of a task's claimed near-ties are verified (all of a few, a share of many)."""
-    return min(claimed, max(NEAR_TIE_VERIFY_ALL, math.ceil(NEAR_TIE_VERIFY_FRACTION * claimed)))
+    uniform: bool = False  # drawn in the uniform sample (else: a claimed near-tie)
 
 
 def claimed_near_tie(task_type: str, request: Request, claimed) -> bool:
@@ -121,11 +137,11 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
                   examples_per_call: int = EXAMPLES_PER_CALL, log=print, rank: int = 0, world_size: int = 1,
                   verify_fraction: float = VERIFY_FRACTION, rng: random.Random | None = None
                   ) -> tuple[dict, list[Sample]]:
-    """Accuracy, centered accuracy and time per task, and CORE; plus the secret sample for
-    verification: a uniform draw made before scoring, and a draw from the examples inference.py's
-    own answers put at a near-tie, made after. score(sequences) -> [(losses, greedy)]. Under
-    torchrun each rank scores every world_size-th example (as nanochat strides them) and the counts
-    are summed (the samples stay per rank)."""
+    """Accuracy, centered accuracy and time per task, and CORE, from inference.py's decisions; plus the examples to
+    verify: a secret uniform draw made before scoring (uniform_sample_size), and every example inference.py's own
+    answers put at a near-tie. score(sequences) -> [(losses, greedy)]. Under torchrun each rank scores every
+    world_size-th example (as nanochat strides them) and the counts are summed (the samples stay per rank).
+    count_trusted_decisions then puts the trusted path's decisions in place of the verified examples' claims."""
     rng = rng or random.SystemRandom()
     results, samples, total_t0 = {}, [], time.time()
     for task in tasks:
@@ -134,10 +150,10 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
         if len(data) <= task.num_fewshot:
             raise CoreError(f"task {task.label!r} has {len(data)} examples, too few for {task.num_fewshot} shots")
         mine = list(range(rank, len(data), world_size))
-        wanted = 0 if verify_fraction <= 0 else min(len(mine), max(VERIFY_MIN_EXAMPLES,
-                                                                    math.ceil(verify_fraction * len(mine))))
+        worth = flip_worth(len(data), task.random_baseline, len(tasks))
+        wanted = 0 if verify_fraction <= 0 else uniform_sample_size(len(mine), worth, verify_fraction)
         drawn = set(rng.sample(mine, wanted))
-        correct, near_drawn, near_rest = 0, 0, []
+        correct, near = 0, []
         for lo in range(0, len(mine), examples_per_call):
             chunk = mine[lo:lo + examples_per_call]
             requests = [build_request(task, data, i, tokenizer, max_len) for i in chunk]
@@ -147,16 +163,12 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
                 answer = scored[k:k + len(r.sequences)]
                 k += len(r.sequences)
                 correct += is_correct(task.task_type, r, answer)
-                near = wanted > 0 and claimed_near_tie(task.task_type, r, answer)
                 if i in drawn:
-                    samples.append(Sample(task, r, answer, i))
-                    near_drawn += near
-                elif near:
-                    near_rest.append((i, answer))  # the request is rebuilt for the few drawn: it is the large part
-        near_claimed = near_drawn + len(near_rest)
-        near_extra = max(0, near_ties_to_verify(near_claimed) - near_drawn)
+                    samples.append(Sample(task, r, answer, i, uniform=True))
+                if wanted > 0 and claimed_near_tie(task.task_type, r, answer):
+                    near.append((i, answer))  # the request is built again below: it is the large part
         samples += [Sample(task, build_request(task, data, i, tokenizer, max_len), answer, i)
-                    for i, answer in sorted(rng.sample(near_rest, min(near_extra, len(near_rest))), key=lambda x: x[0])]
+                    for i, answer in near if i not in drawn]
         if world_size > 1:
             import torch.distributed as dist
             total = torch.tensor([correct], dtype=torch.long)
@@ -168,10 +180,23 @@ def evaluate_core(score, tokenizer, tasks: list[Task], examples: dict[str, list[
         results[task.label] = {"accuracy": accuracy, "centered": centered, "correct": correct, "examples": len(data),
                                "random_baseline": task.random_baseline, "task_type": task.task_type,
                                "num_fewshot": task.num_fewshot, "seconds": seconds,
-                               "verified": {"examples": len(mine), "uniform": wanted, "near_ties_claimed": near_claimed,
-                                            "near_ties": min(near_claimed, near_drawn + near_extra)}}
+                               "verified": {"examples": len(mine), "uniform": wanted, "near_ties_claimed": len(near),
+                                            "worth": worth}}
         log(f"{task.label:<34} accuracy: {accuracy:.4f} | centered: {centered:.4f} | "
             f"examples: {len(data):>5} | time: {seconds:.2f}s")
     core = sum(r["centered"] for r in results.values()) / len(results)
     return ({"core": core, "tasks": results, "seconds": time.time() - total_t0,
              "examples": sum(r["examples"] for r in results.values()), "world_size": world_size}, samples)
+
+
+def count_trusted_decisions(report: dict, decided: dict) -> None:
+    """Put the trusted path's decisions in place of inference.py's for the verified examples, in place:
+    decided[label] = [verified examples, of them correct on the trusted path, of them correct as claimed] (every
+    rank's together); each task's correct count, accuracy and centered accuracy, and CORE, follow."""
+    for label, (verified, trusted, claimed) in decided.items():
+        t = report["tasks"][label]
+        t["correct"] += trusted - claimed
+        t["accuracy"] = t["correct"] / t["examples"]
+        t["centered"] = centered_accuracy(t["accuracy"], t["random_baseline"])
+        t["trusted_decisions"] = {"verified": verified, "changed_by": trusted - claimed}
+    report["core"] = sum(t["centered"] for t in report["tasks"].values()) / len(report["tasks"])

@@ -13,8 +13,8 @@ import torch
 from harness.checks import TOLERANCE_NATS, CheckLog, checked_log_probs, compare_log_probs
 from harness.common import CoreError, EvalRefused
 from harness.config import SPECIAL_TOKENS
-from harness.core.scoring import (NEAR_TIE_VERIFY_ALL, VERIFY_GREEDY_TOLERANCE, VERIFY_LOSS_TOLERANCE,
-                                  VERIFY_TOKEN_TOLERANCE, Sample, is_correct, region_mean_losses)
+from harness.core.scoring import (REFUSAL_RISK, VERIFY_GREEDY_TOLERANCE, VERIFY_LOSS_TOLERANCE, VERIFY_TOKEN_TOLERANCE,
+                                  Sample, flip_cost, is_correct, region_mean_losses)
 from harness.worker.harness_side import ModelForward
 
 # A decision of inference.py's that differs from the trusted path's is accepted only where the trusted
@@ -160,7 +160,7 @@ def trusted_decision_check(sample: "Sample", lps: list[tuple[torch.Tensor, ...]]
         worst["margin_flipped"], worst["flipped"] = margin, True
     worst["lean"] = lean_towards_gold(sample, ours, theirs, lps)
     worst["decision_lean"] = int(claimed_correct) - int(trusted_correct)  # +1: only inference.py is right
-    worst["task"] = task.label
+    worst["task"], worst["trusted_correct"], worst["claimed_correct"] = task.label, trusted_correct, claimed_correct
     return worst
 
 
@@ -240,76 +240,40 @@ def count_lean(bias: dict, found: dict) -> None:
         bias.setdefault("decisions_by_task", {}).setdefault(found["task"], [0, 0])[found["decision_lean"] < 0] += 1
 
 
-REFUSAL_RISK = 0.5  # the chance of refusal at which coverage() counts the flips a forger can hide
-
-
-def flips_hidden(q: float, passes: int, most: int) -> int:
-    """The most flips (up to `most`) a forger can make while its chance of refusal stays within
-    REFUSAL_RISK, when each flip is verified with chance q and the run is refused once more than
-    `passes` of them are verified (binomial)."""
-    if q >= 1:
-        return min(passes, most)
-    for f in range(passes + 1, most + 1):
-        if sum(math.comb(f, k) * q ** k * (1 - q) ** (f - k) for k in range(passes + 1)) < 1 - REFUSAL_RISK:
-            return f - 1
-    return most
-
-
-def flips_past_sign_test(q: float, verified: int) -> int:
-    """The most flips towards the gold answers, net of flips away from them in the same task (ballast
-    that lets more through), that a task's decisions sign test passes when each flip is verified with
-    chance q and at most `verified` of them can be: the largest towards - away over the verified
-    counts that pass, divided by q (expected counts)."""
-    best, towards = 0, 0
-    for away in range(verified + 1):
-        while towards + away < verified and sign_test_p(towards + 1, away) >= BIAS_ALPHA:
-            towards += 1
-        if towards + away > verified:
-            break
-        best = max(best, int((towards - away) / q))
-    return best
-
-
 def coverage(tasks: dict, ranks: list[dict]) -> dict:
-    """What this run's verification can see: per class of flip, the most flips a forger hides at a
-    REFUSAL_RISK chance of refusal, in the task and on the rank where they are worth most, and the CORE
-    they are worth. tasks[label]: evaluate_core's report of the task; ranks: each rank's draws,
-    {label: report["tasks"][label]["verified"]} (a forger knows which rank scores which example, so
-    the rank that verifies least is the bound). A flip outside the claimed near-ties fails the
-    tolerances wherever it is verified (the uniform sample); one inside is verified at the near-tie
-    rate, and refused there only through the decisions' sign tests: per task, where flips away from
-    gold in the same task can buy more flips towards it (flips_past_sign_test)."""
-    out = {"risk": REFUSAL_RISK, "near_ties_claimed": 0, "near_ties_verified": 0}
-    for kind in ("outside_near_ties", "near_ties"):
-        out[kind] = {"flips": 0, "core": 0.0, "task": None}
+    """What this run's verification leaves a forger: every claimed near-tie is verified and decided by the trusted
+    path, so only flips outside them pay, and each is refused wherever the uniform sample meets it. With cost c = -ln
+    of a flip's chance to escape a rank's draw of a task (flip_cost) and w its CORE (the task's worth), flips escape
+    together with a chance of at least 1 - REFUSAL_RISK only while sum(c) <= -ln(1 - REFUSAL_RISK), so they gain at
+    most -ln(1 - REFUSAL_RISK) x max(w / c) over every task and rank: the bound, with where it is largest.
+    tasks[label]: evaluate_core's report of the task; ranks: each rank's draws, {label: its "verified"}."""
+    budget = -math.log1p(-REFUSAL_RISK)
+    out = {"risk": REFUSAL_RISK, "near_ties_claimed": 0, "uniform": 0, "bound": 0.0, "task": None}
     for drawn in ranks:
         for label, v in drawn.items():
-            t, n = tasks[label], v["examples"]  # n: the examples this rank scored
-            worth = 1 / (t["examples"] * (1 - 0.01 * t["random_baseline"]) * len(tasks))  # CORE per flip
             out["near_ties_claimed"] += v["near_ties_claimed"]
-            out["near_ties_verified"] += v["near_ties"]
-            near_rate = v["near_ties"] / v["near_ties_claimed"] if v["near_ties_claimed"] else 1.0  # none: all
-            # the near-ties a forger's flips could be verified among: this run's, or all of a task's few
-            verifiable = max(v["near_ties"], min(n, NEAR_TIE_VERIFY_ALL))
-            for kind, flips in (("outside_near_ties", flips_hidden(v["uniform"] / n if n else 1.0, 0, n)),
-                                ("near_ties", min(n, flips_past_sign_test(near_rate, verifiable)))):
-                if flips * worth > out[kind]["core"]:
-                    out[kind] = {"flips": flips, "core": flips * worth, "task": label}
+            out["uniform"] += v["uniform"]
+            gain = min(budget * v["worth"] / flip_cost(v["uniform"], v["examples"]), v["worth"] * v["examples"])
+            if gain > out["bound"]:
+                out["bound"], out["task"] = gain, label
     return out
 
 
 def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Random) -> dict:
     """Score every sequence of every sampled example through the trusted path, in two passes (for
     the command line: two fresh model workers, one after the other). The first runs the originals,
-    batched by length; only then does the second run a shadow of every batch: the same rows at the
-    same shape, with one sequence per example replaced by its twin (cut at a secret point of its
-    scored region, other text after it) and the others repeated. So a twin runs at its original's
-    length, padding and batch size, in a worker that never saw an original. Then: each shadow row
-    agrees with its original (before the cut, for a twin) within the same-shape tolerance,
-    and each example's answers and decision agree with inference.py's (trusted_decision_check).
-    CoreError on the first disagreement. Returns what was compared, and the leans towards the gold
-    answers counted (bias) for refuse_bias, which the caller runs on every rank's counts together.
-    open_pass(k) is a context manager giving the forward of pass k."""
+    batched by length; only then does the second run a shadow of every batch that holds a row of the
+    uniform sample (a secret sample of the batches: the near-ties need their trusted decisions, and
+    the causality checks need a sample): the same rows at the same shape, with one sequence per
+    example replaced by its twin (cut at a secret point of its scored region, other text after it)
+    and the others repeated. So a twin runs at its original's length, padding and batch size, in a
+    worker that never saw an original. Then: each shadow row agrees with its original (before the
+    cut, for a twin) within the same-shape tolerance, and each example's answers and decision agree
+    with inference.py's (trusted_decision_check). CoreError on the first disagreement. Returns what
+    was compared; the trusted path's decisions per task (decided: [examples, trusted correct, claimed
+    correct], for count_trusted_decisions); and the leans towards the gold answers counted (bias)
+    for refuse_bias, which the caller runs on every rank's counts together. open_pass(k) is a
+    context manager giving the forward of pass k."""
     vocab, pad = tokenizer.get_vocab_size(), tokenizer.get_bos_token_id()
     secret_ids = np.array(rng.sample(range(vocab - len(SPECIAL_TOKENS)), VERIFY_SECRET_IDS), dtype=np.int64)
     originals: dict[tuple[int, int], TrustedRow] = {}
@@ -347,7 +311,8 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
 
     trusted: dict[tuple[int, int], tuple] = {}
     shadows: list[tuple[TrustedRow, tuple]] = []
-    for p, plan in enumerate((batches, [shadow(b) for b in rng.sample(batches, len(batches))])):
+    checked = [b for b in batches if any(samples[row.key[0]].uniform for row in b)]
+    for p, plan in enumerate((batches, [shadow(b) for b in rng.sample(checked, len(checked))])):
         with open_pass(p) as forward:
             results = run_rows(forward, plan, pad)
         for batch, got in zip(plan, results):
@@ -370,19 +335,23 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
         except EvalRefused as e:
             raise CoreError(f"the trained model fails the contract: {e}") from None
     worst = {"loss": 0.0, "token": 0.0, "greedy": 0.0, "margin_flipped": 0.0}
-    decisions_flipped = 0
+    decisions_flipped, decided = 0, {}
     bias = {kind: [0, 0] for kind in BIAS_COUNTS}  # [towards the gold answers, away from them]
     for k, sample in enumerate(samples):
         found = trusted_decision_check(sample, [trusted[k, j] for j in range(len(sample.request.sequences))])
         decisions_flipped += found.pop("flipped")
         worst = {key: max(worst[key], found[key]) for key in worst}
         count_lean(bias, found)
-    return {"examples": len(samples), "sequences": len(originals), "twins": len(twinned),
+        counts = decided.setdefault(sample.task.label, [0, 0, 0])
+        counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + found["trusted_correct"], \
+            counts[2] + found["claimed_correct"]
+    return {"examples": len(samples), "sequences": len(originals),
+            "twins": sum(row.cut is not None for row, _ in shadows),
             "shadow_rows": len(shadows), "decisions_flipped_within_allowance": decisions_flipped,
             "max_abs_loss_diff": worst["loss"], "max_token_loss_diff": worst["token"],
             "max_greedy_gap": worst["greedy"],
             "max_causal_diff": max(checks.worst["causality"], checks.worst["batch_content"]),
-            "max_flipped_margin": worst["margin_flipped"], "bias": bias,
+            "max_flipped_margin": worst["margin_flipped"], "bias": bias, "decided": decided,
             "tolerances": {"loss": VERIFY_LOSS_TOLERANCE, "token": VERIFY_TOKEN_TOLERANCE,
                            "greedy": VERIFY_GREEDY_TOLERANCE, "same_shape": TOLERANCE_NATS["same_shape"],
                            "decision": DECISION_ALLOWANCE_NATS}}

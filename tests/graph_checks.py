@@ -1,15 +1,13 @@
 """What makes a Trainium run fast or slow, checked on a CPU: the native Neuron backend goes through
 torch.compile (backend="neuron", static shapes), so a graph break, a recompile, a host read inside the step
 or an op the backend runs on the host shows up here as it would there. tests/test_graphs.py runs these
-checks on the kit (and on deliberately broken copies); this script prints them.
-
-    python benchmarks/trainium_ready.py census                    # aten ops of the step and the scorers' forwards
-    python benchmarks/trainium_ready.py compile-cost [--full-size] # first-step compile: where it goes, graphs
+checks on the kit (and on deliberately broken copies); `python tests/graph_checks.py` prints the census (the
+aten ops and dtypes of the training step and the scorer's forward, per preset).
 
 The checks:
 - graphs: the training step's forward and backward (and the scorers' forwards) compile with fullgraph=True;
   a graph break is an error that names the line (GraphBreak);
-- recompiles: count_compiles() counts every graph a backend is asked to compile, so a run can be held to
+- recompiles: CompileCount counts every graph a backend is asked to compile, so a run can be held to
   "nothing after the first step";
 - host reads: HostReads records every read of a tensor's value on the host (.item(), .tolist(), bool(t),
   float(t), printing, .cpu(), .numpy(), data-dependent shapes) and where it happened;
@@ -17,14 +15,10 @@ The checks:
   docs/trainium-readiness.md says the Neuron backend does not run on the device."""
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import dataclasses
-import os
 import sys
-import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -217,7 +211,7 @@ class HostReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in HOST_READ_CALLS:
             frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(REPO))
-                      and not f.filename.endswith("trainium_ready.py")]
+                      and not f.filename.endswith("graph_checks.py")]
             where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
             self.reads.append((name, where, self.region))
         return func(*args, **(kwargs or {}))
@@ -235,11 +229,7 @@ class HostReads(TorchFunctionMode):
         return [(call, where) for call, where, r in self.reads if r == region]
 
 
-# -----------------------------------------------------------------------------------------------
-# The command line
-# -----------------------------------------------------------------------------------------------
-
-SHAPES = {  # what the checks and the compile-cost table cover: d10 (the organisers' baseline) and the presets
+SHAPES = {  # what the checks cover: d10 (the organisers' baseline) and the presets
     "d10": [],
     "cpu": ["--preset", "cpu"],
     "gpu": ["--preset", "gpu"],
@@ -261,55 +251,5 @@ def print_census() -> None:
             print(f"    ops: {', '.join(sorted(op.replace('aten.', '') for op in census.ops))}")
 
 
-def compile_cost(names: list[str], full_size: bool = False) -> None:
-    """The first step compiled with inductor (the CPU's backend) on a cold cache, per preset shape (at a tiny
-    width, or the preset's own with full_size, in its dtype): where it goes (the model's forward and backward,
-    then the optimizer's updates), the graphs each compiles, and a second step for comparison."""
-    print("| shape | depth | width | forward + backward, first (s) | optimizer, first (s) | second step (s) "
-          "| graphs: model, optimizer |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name in names:
-        if full_size:
-            recipe, options, _ = T.parse_command_line(SHAPES[name])
-        else:
-            recipe, options = tiny_recipe(SHAPES[name])
-        with tempfile.TemporaryDirectory() as cache:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-            torch._dynamo.reset()
-            counter = torch._dynamo.utils.counters
-            counter.clear()
-            model = T.build_model(T.model_config(recipe), "cpu", recipe.dtype)
-            optimizer = T.build_optimizer(model, recipe, options, model.compute_dtype, "inductor", compiled=True)
-            step_model = torch.compile(model, backend="inductor", dynamic=False)
-            tokens = torch.randint(0, model.config.vocab_size, (2, recipe.seq_len + 1))
-            batches = iter(lambda: (tokens[:, :-1], tokens[:, 1:], {}), None)
-            t0 = time.perf_counter()
-            T.apply_schedules(optimizer, 0.5, recipe)
-            step_model(tokens[:, :-1], tokens[:, 1:]).backward()
-            t1, model_graphs = time.perf_counter(), counter["stats"]["unique_graphs"]
-            optimizer.step()
-            model.zero_grad(set_to_none=True)
-            t2, graphs = time.perf_counter(), counter["stats"]["unique_graphs"]
-            T.apply_schedules(optimizer, 0.5, recipe)
-            T.train_step(step_model, optimizer, batches, 1)
-            second = time.perf_counter() - t2
-        print(f"| {name} | {recipe.depth} | {model.config.n_embd} | {t1 - t0:.1f} | {t2 - t1:.1f} | {second:.2f} "
-              f"| {model_graphs}, {graphs - model_graphs} |", flush=True)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("census", "compile-cost"))
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
-    parser.add_argument("--full-size", action="store_true", help="compile-cost at the presets' own widths and dtypes")
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.what == "census":
-        print_census()
-    else:
-        compile_cost(args.shapes.split(","), args.full_size)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    print_census()
