@@ -8,8 +8,8 @@ the schedules, the data, the loop, load_for_eval); under the banner "Machinery" 
     python train.py --preset cpu      # a laptop: 5 minutes that learn something
     python train.py --help            # every hyperparameter is a flag; the organisers' spellings work too
 
-It imports from prepare.py only the names the organisers' prepare.py has, so it runs under their harness too. The
-run writes out/final.pt and prints a summary after `---`; the scorer imports this file and calls load_for_eval().
+It imports from prepare.py only the organisers' names, so it runs under their harness too. The run writes
+out/final.pt and a summary after `---`; the scorer imports this file and calls load_for_eval().
 """
 from __future__ import annotations
 
@@ -60,10 +60,8 @@ class Recipe:
     seq_len: int = 2048  # training context; the scorer evaluates at EVAL_SEQ_LEN
     architecture: Architecture = field(default_factory=lambda: Architecture())
     # Batch
-    total_batch_size: int = 2**18  # tokens per optimizer step, all ranks together; half of autoresearch's
-                                   # 2**19, since at a fixed budget more steps win
-    device_batch_size: int = 8  # rows per micro-batch on each rank (at most: see batch_geometry); gradient
-                                # accumulation makes up the rest
+    total_batch_size: int = 2**18  # tokens per step, all ranks together: half autoresearch's (more steps win)
+    device_batch_size: int = 8  # rows per micro-batch on each rank (at most: batch_geometry); accumulation: the rest
     # Optimizer (learning rates as in nanochat/autoresearch; AdamW ones scale with 1/sqrt(width/768))
     embedding_lr: float = 0.6  # AdamW, token embedding
     unembedding_lr: float = 0.004  # AdamW, lm_head
@@ -123,20 +121,14 @@ class Architecture:
     """What the GPT is made of beyond its size: each field a flag and a key of the checkpoint's model_config."""
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap): stabilises early training
     rope_base: float = 10000.0  # rotary embedding base frequency
-    n_kv_head: int = 0  # key/value heads for grouped-query attention, a divisor of the query heads (width /
-                        # head_dim: 3 in the cpu preset, 4 in the gpu one); 0: one per query head
+    n_kv_head: int = 0  # key/value heads (grouped-query attention), a divisor of the query heads; 0: as many
     # nanochat's value embeddings: "alternate" layers (every other one, the last one included) add a token
     # embedding of their own to the attention's values, through a gate per key/value head; "": none
     value_embeds: str = ingredient("", on="alternate")
-    # attention context per layer, the pattern tiled over the layers: L the full context, S a sliding window of
-    # short_window tokens; the last layer is always L
+    # attention context per layer, the pattern tiled over the layers: S a window of short_window tokens, L a training
+    # row (the scorer's longer rows reach no further back); the last layer is always L
     window_pattern: str = ingredient("L", on="SSSL")
     short_window: int = 0  # tokens an S layer sees, itself included (0: a quarter of the sequence length)
-
-
-def every_ingredient() -> dict:
-    """{field: a value that turns it on} for every ingredient of Architecture."""
-    return {f.name: f.metadata["on"] for f in dataclasses.fields(Architecture) if "on" in f.metadata}
 
 
 @dataclass
@@ -160,7 +152,7 @@ class GPTConfig(Architecture):
         self.window_pattern = self.window_pattern.upper()
         self.short_window = (self.short_window or max(1, self.sequence_len // 4)) if "S" in self.window_pattern else 0
         self.value_embed_layers = value_embed_layers(self.value_embeds, self.n_layer)
-        self.windows = layer_windows(self.window_pattern, self.short_window, self.n_layer)
+        self.windows = layer_windows(self.window_pattern, self.short_window, self.n_layer, self.sequence_len)
         self.kv_width = self.n_kv_head * self.n_embd // self.n_head  # channels of the keys, values, value embeddings
 
 
@@ -181,15 +173,16 @@ def value_embed_layers(spec: str, n_layer: int) -> list[int]:
     return [i for i in range(n_layer) if i % 2 == (n_layer - 1) % 2] if spec == "alternate" else []
 
 
-def layer_windows(pattern: str, short_window: int, n_layer: int) -> list[int | None]:
-    """Each layer's attention window in tokens (None: the full context), from --window-pattern."""
+def layer_windows(pattern: str, short_window: int, n_layer: int, sequence_len: int) -> list[int]:
+    """Each layer's attention window in tokens, from --window-pattern: short_window for S, for L the training rows'
+    length, so that a longer row (the scorer's) never asks a layer to look further back than it learned to."""
     if not pattern or set(pattern) - set("SL"):
-        raise ValueError(f"--window-pattern {pattern!r}: use the letters L (full context) and S (a window of "
+        raise ValueError(f"--window-pattern {pattern!r}: use the letters L (a training row) and S (a window of "
                          "--short-window tokens), e.g. SSSL")
     if "S" in pattern and short_window < 1:
         raise ValueError(f"--window-pattern {pattern} needs a --short-window of at least 1 token")
-    windows = [short_window if pattern[i % len(pattern)] == "S" else None for i in range(n_layer)]
-    return windows[:-1] + [None]  # the last layer sees everything
+    windows = [short_window if pattern[i % len(pattern)] == "S" else sequence_len for i in range(n_layer)]
+    return windows[:-1] + [sequence_len]  # the last layer sees the whole training row
 
 
 # The ops a kernel may replace, plain PyTorch: each --nki-* flag binds its kernel in place of one (KERNEL_OPS, below).
@@ -345,7 +338,7 @@ class GPT(nn.Module):
         lookups = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} - \
             {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
         multiplied = sum(p.numel() for p in self.parameters() if id(p) not in lookups)
-        context = sum(min(w, c.sequence_len) if w else c.sequence_len for w in c.windows)
+        context = sum(min(w, c.sequence_len) for w in c.windows)
         return 6 * multiplied + 12 * c.n_embd * context
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
@@ -370,7 +363,7 @@ class GPT(nn.Module):
 
     def layer_masks(self, T: int, positions: torch.Tensor | None, attn_mask: torch.Tensor | None) -> list:
         """Each layer's mask: the caller's (None: causal), in a window layer within the window by rotary position."""
-        windows = self.config.windows
+        windows = [w if w < T else None for w in self.config.windows]  # None: no narrower than causal here
         if all(w is None for w in windows):
             return [attn_mask] * len(windows)
         device = self.cos.device
@@ -844,9 +837,8 @@ class DeviceProfile:
     dtype_source: str = ""  # how a CPU's dtype was chosen
 
 
-# A CPU's compute dtype and peak: the model's own matmuls timed in fp32 and bf16 once per machine and kept, so that two
-# runs of one recipe train alike (a CPUID flag says bf16 exists, not that it is fast: one Xeon without AMX runs it 1.4x
-# slower than fp32). One thread, the best of a few calls after a warm-up: other processes only slow a call down.
+# A CPU's compute dtype and peak: the model's own matmuls timed in fp32 and bf16 once per machine and kept, so that
+# two runs of one recipe train alike (a CPUID flag says bf16 exists, not that it is fast: one Xeon is 1.4x slower).
 CPU_MATMUL_MAX_ROWS, CPU_MATMUL_CALLS, CPU_MATMUL_SECONDS = 4096, 5, 1.0  # rows; calls timed, fewer past these seconds
 
 
@@ -887,31 +879,30 @@ def machine_file() -> Path:
 
 
 def cpu_name() -> str:
-    """The processor as /proc/cpuinfo names it, and a hash of its flags (one "AMD EPYC" comes with AVX-512 and without)."""
+    """The processor /proc/cpuinfo names, and a hash of its flags (one "AMD EPYC" comes with AVX-512 and without)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name, flags = (re.search(rf"^{key}\s*:\s*(.*)$", info, re.M) for key in ("model name", "flags"))
     flags_hash = hashlib.sha256((flags[1] if flags else "").encode()).hexdigest()[:8]
     return f"{name[1] if name else platform.machine()} [flags {flags_hash}]"
 
 
-def measured_cpu_matmuls(shapes: list[tuple[int, int, int]]) -> tuple[dict, Path]:
+def measured_cpu_matmuls(shapes: list[tuple[int, int, int]]) -> tuple[dict, str]:
     """({"fp32": s, "bf16": s}, the file): time_matmuls of `shapes` here, measured once and kept in machine_file() by
-    processor, torch and shapes (a lock: ranks started together measure once). Delete the file to measure again."""
+    processor, torch and shapes (a lock: ranks started together measure once; a damaged file is measured again)."""
     path, key = machine_file(), f"{cpu_name()} | torch {torch.__version__} | matmuls {shapes}"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
+        table, timings = {}, None
+        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
             table = json.loads(path.read_text()) if path.exists() else {}
-            if key in table and not all(math.isfinite(table[key][d]) and table[key][d] > 0 for d in ("fp32", "bf16")):
-                raise ValueError("a timing that is not a positive number of seconds")
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(f"{path} is not this kit's table of matmul timings ({e}): delete it to measure again")
-        if key not in table:
-            table[key] = {name: time_matmuls(shapes, dtype) for name, dtype in (("fp32", torch.float32),
-                                                                                ("bf16", torch.bfloat16))}
+            timings = table[key] if all(0 < float(table[key][d]) < math.inf for d in ("fp32", "bf16")) else None
+        if timings is None:  # none yet, or damaged: measured (again)
+            table = table if isinstance(table, dict) else {}
+            timings = table[key] = {name: time_matmuls(shapes, dtype) for name, dtype in (("fp32", torch.float32),
+                                                                                          ("bf16", torch.bfloat16))}
             write_atomically(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))
-    return table[key], path
+    return timings, str(path)
 
 
 def detect_device_type() -> str:
@@ -952,10 +943,9 @@ def device_profile(device_type: str, dtype: str = "auto", peak_tflops: float = 0
                                 NEURONCORE_BF16_FLOPS * lnc, f"datasheet, {lnc} NeuronCore(s) per rank")
     elif device_type == "cuda":
         name = torch.cuda.get_device_name()
-        datasheet = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), None)
-        peak = datasheet if datasheet is not None else measure_cuda_flops() if peak_tflops <= 0 else 0.0
+        peak = next((v for k, v in CUDA_BF16_FLOPS.items() if k in name), math.nan)  # another: --peak-tflops
         profile = DeviceProfile("cuda", "nccl", compute_dtype_for("cuda", dtype), "inductor", peak,
-                                f"datasheet, {name}" if datasheet is not None else f"measured bf16 matmul on {name}")
+                                f"datasheet, {name}" if math.isfinite(peak) else f"{name}: not in CUDA_BF16_FLOPS")
     elif device_type != "cpu":
         raise ValueError(f"unknown device {device_type!r}: use neuron, cuda or cpu")
     elif dtype != "auto" and peak_tflops > 0:  # nothing to measure
@@ -964,11 +954,11 @@ def device_profile(device_type: str, dtype: str = "auto", peak_tflops: float = 0
         timings, kept = measured_cpu_matmuls(matmuls)
         compute = compute_dtype_for("cpu", dtype, timings)
         peak = sum(2 * m * k * n for m, k, n in matmuls) / timings[dtype_name(compute)] * cpu_threads()
+        ms = {name: f"{1e3 * seconds:.1f} ms in {name}" for name, seconds in timings.items()}
         profile = DeviceProfile("cpu", "gloo", compute, "inductor", peak, f"the model's matmuls in "
                                 f"{dtype_name(compute)}, best 1-thread call here x {cpu_threads()} threads",
                                 f"{dtype_name(compute)}{' (auto)' if dtype == 'auto' else ''}: the model's matmuls "
-                                f"take {1e3 * timings['bf16']:.1f} ms in bf16 and {1e3 * timings['fp32']:.1f} ms in fp32 "
-                                f"on one thread here (measured once, kept in {kept})")
+                                f"take {ms['bf16']} and {ms['fp32']} on one thread (measured once, kept in {kept})")
     if peak_tflops > 0:
         return dataclasses.replace(profile, peak_flops=peak_tflops * 1e12, peak_source="given (--peak-tflops)")
     return profile
@@ -978,22 +968,6 @@ def device_profile_for(recipe: Recipe, device_type: str, peak_tflops: float = 0.
     """The profile a run of `recipe` gets: on a CPU, its dtype and peak from the model's own matmuls."""
     rows = recipe.device_batch_size * recipe.seq_len
     return device_profile(device_type, recipe.dtype, peak_tflops, model_matmuls(model_config(recipe), rows))
-
-
-def measure_cuda_flops(n: int = 8192, warmup: int = 3, repeats: int = 10) -> float:
-    """The bf16 matmul FLOP/s of this GPU, after warm-up calls that choose kernels and raise the clocks."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(warmup):
-        a @ a
-    seconds = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ a
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1000)
-    return 2 * n**3 / statistics.median(seconds)
 
 
 def init_distributed(profile: DeviceProfile) -> tuple[torch.device, int, int]:
@@ -1868,8 +1842,7 @@ ENVIRONMENT = {"max_steps": ("NEURON_COMPETITION_R1_NUM_STEPS",),
 BOOL_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 
 
-# The cpu and gpu presets' ingredients (-0.232 bpb together at the cpu preset); the default d10 stays the organisers'.
-ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL")
+ADOPTED_INGREDIENTS: dict = dict(value_embeds="alternate", window_pattern="SSSL")  # cpu, gpu presets; not d10's
 
 PRESETS = {
     # A laptop CPU for 5 minutes: benchmarks/preset_sweep.py's winner at 300 s on 2 cores; compiled (eager elementwise
@@ -1893,15 +1866,6 @@ def kind_fields(kind) -> list[dataclasses.Field]:
 
 def setting_fields() -> list[dataclasses.Field]:
     return [f for kind in SETTING_KINDS for f in kind_fields(kind)]
-
-
-def flags_for(settings: dict) -> list[str]:
-    """Command-line flags that make these settings ({field: value}, as in PRESETS)."""
-    flags = []
-    for name, value in settings.items():
-        flag = "--" + name.replace("_", "-")
-        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
-    return flags
 
 
 def recipe_settings(recipe: Recipe) -> dict:

@@ -4,10 +4,10 @@ are recorded exactly, so that a refactor can be shown to change nothing (same fi
     python benchmarks/fingerprint.py --out before.json            # on the old code
     python benchmarks/fingerprint.py --out after.json --compare before.json
 
-Runs (each 30 steps, --dtype fp32 --no-compile, the stdlib data set of FRONTIER_CACHE_DIR, built if missing):
-the default architecture at a small width, the same with every ingredient on, and 2-rank torchruns of the
-first with the optimizer sharded (ZeRO-1), and unsharded with 4 micro-batches a step. The fingerprint holds the SHA-256 of every tensor of final.pt, its
-model_config and the recipe in its meta, and the loss printed at every step."""
+Runs (each 30 steps, --dtype fp32 --no-compile, the stdlib data of FRONTIER_CACHE_DIR, built if missing): the
+default architecture at a small width, the same with every ingredient on, and 2-rank torchruns of the first,
+sharded (ZeRO-1) and unsharded with 4 micro-batches a step. It holds the SHA-256 of every tensor of final.pt, its
+model_config and recipe, and the loss printed at every step."""
 from __future__ import annotations
 
 import argparse

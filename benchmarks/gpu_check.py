@@ -10,19 +10,13 @@ and benchmarks/check_tolerances.py on the d10 checkpoint on the GPU.
     python benchmarks/gpu_check.py run --out benchmarks/results/gpu      # on the GPU (see below for how long)
     python benchmarks/gpu_check.py run --rehearsal --out /tmp/rehearsal  # every stage, tiny, on a CPU
 
-`prepare` builds the text the GPU trains on (no network there): Python source, this interpreter's standard
-library and the larger packages of the venv, as .txt files of a `dir:` source, sharded with the shipped
-stdlib tokenizer into .gpu/data (~41 MB, ~117M characters: a d10 run of 60 s on an H200 reads about one
-pass), and, given the snapshot, nanochat's runner into .gpu/nanochat (benchmarks/nanochat_peer.py).
-`run` copies the data out of the repository (so the contained worker cannot read it and the evaluation can
-be official), runs the stages in order within --deadline seconds, skipping a stage that no longer fits,
-and after every stage writes <out>/<stamp>.json and <out>/<stamp>.md, so a run cut short keeps what it
-measured; `--only STAGES --merge EARLIER.json` reruns some stages into an earlier result. On one H200 a
-run of the kit takes about 4-5 minutes at --seconds 40 (a cold compile of 63-71 s, training, the save,
-eval-public), so all nine stages take about 20 minutes: a lease of 15 splits them into two calls, e.g.
-`--skip nanochat,attention,tolerances` and then `--only nanochat,attention,tolerances --merge ...`. Training runs
-use the kit's own command line (train.py), scoring the harness's (prepare.py); this script only drives
-them and reads their summaries and reports."""
+`prepare` builds the text the GPU trains on (no network there: Python source, this interpreter's standard library
+and the venv's larger packages, sharded with the shipped stdlib tokenizer into .gpu/data, ~41 MB) and, given the
+snapshot, nanochat's runner (.gpu/nanochat). `run` copies the data out of the repository (so the contained worker
+cannot read it and the evaluation can be official), runs the stages in order within --deadline seconds, skipping
+a stage that no longer fits, and writes <out>/<stamp>.json and .md after every stage; `--only STAGES --merge
+EARLIER.json` reruns some into an earlier result. On one H200 a run of the kit takes 4-5 minutes at --seconds 40,
+so a 15-minute lease splits the stages into two calls. Training and scoring use the kit's own command lines."""
 from __future__ import annotations
 
 import argparse
@@ -136,12 +130,29 @@ def stage_environment(device: str) -> dict:
     return info
 
 
+def measure_cuda_flops(n: int = 8192, warmup: int = 3, repeats: int = 10) -> float:
+    """The bf16 matmul FLOP/s of this GPU, after warm-up calls that choose kernels and raise the clocks."""
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(warmup):
+        a @ a
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ a
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1000)
+    return 2 * n**3 / sorted(seconds)[len(seconds) // 2]
+
+
 def stage_peak(device: str) -> dict:
     import train as T
     if device == "cuda":
-        flops = [T.measure_cuda_flops() for _ in range(3)]
+        flops = [measure_cuda_flops() for _ in range(3)]
         return {"tflops": sorted(flops)[1] / 1e12, "tflops_runs": [f / 1e12 for f in flops],
-                "how": "bf16 8192^3 matmul, median of 10 after 3 warm-ups (train.measure_cuda_flops); median of 3 runs"}
+                "how": "bf16 8192^3 matmul, median of 10 after 3 warm-ups; median of 3 runs"}
     profile = T.device_profile_for(T.parse_command_line(["--preset", "cpu"])[0], "cpu")  # (the rehearsal)
     return {"tflops": profile.peak_flops / 1e12, "how": f"train.device_profile_for, cpu preset ({profile.peak_source})"}
 

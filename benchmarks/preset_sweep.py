@@ -22,6 +22,7 @@ reuses the runs already done, so an interrupted sweep continues where it stopped
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -54,7 +55,7 @@ SHAPES = {  # the shapes of benchmarks/results/presets.tsv that a question still
 
 # Every ingredient of train.py off, explicitly (Architecture's defaults): the baseline whatever the preset
 # adopts. field -> value
-OFF = {name: getattr(T.Architecture(), name) for name in T.every_ingredient()}
+OFF = {f.name: f.default for f in dataclasses.fields(T.Architecture) if "on" in f.metadata}
 # name -> what it turns on over OFF. The bigram and trigram tables, smear, backout and the keep-rest sampler,
 # measured here and never found to help (benchmarks/results/presets.tsv), are recipes now (docs/recipes.md):
 # paste one into train.py to sweep it again.
@@ -75,7 +76,7 @@ def ingredient_flags(spec: str) -> list[str]:
         if name not in INGREDIENTS:
             raise SystemExit(f"unknown ingredient {name!r}; known: as-is, {', '.join(INGREDIENTS)} (joined by +)")
         settings.update(INGREDIENTS[name])
-    return T.flags_for(settings)
+    return [f"--{name.replace('_', '-')}={value}" for name, value in settings.items()]
 
 
 RESULT_FIELDS = ("commit", "base", "shape", "ingredients", "seed", "length", "text", "extra", "device", "eval_tokens",

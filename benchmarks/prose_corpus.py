@@ -1,13 +1,10 @@
-"""A second offline text, technical prose rather than Python source, from the documentation this machine
-has: the GNU info manuals (/usr/share/info), the manual pages of sections 1, 5, 7 and 8 rendered as plain
-text (`man -l`, without the thousands of generated gcloud pages), and the READMEs, NEWS files and .txt /
-.md / .rst documents of /usr/share/doc (no changelogs, copyright or licence files). Identical texts are
-kept once. Each becomes a .txt file of a `dir:` source, which `prepare.py setup` turns into shards with the
-shipped stdlib tokenizer, in its own cache folder so that the active dataset stays what it was.
+"""A second offline text, technical prose rather than Python source, from this machine's documentation: the GNU
+info manuals, the manual pages of sections 1, 5, 7 and 8 as plain text (`man -l`; no generated gcloud pages), and
+the READMEs, NEWS and .txt / .md / .rst files of /usr/share/doc (no changelogs or licences), each kept once, as a
+`dir:` source prepared with the shipped stdlib tokenizer in its own cache folder (the active dataset stays).
 
-    python benchmarks/prose_corpus.py --out ~/prose          # then: --data-dir ~/prose/data for the sweeps
-
-What it finds depends on the packages installed; it prints what it took, per source."""
+    python benchmarks/prose_corpus.py --out ~/prose   # then --data-dir ~/prose/data; what it finds depends on the
+                                                      # packages installed (it prints what it took, per source)"""
 from __future__ import annotations
 
 import argparse

@@ -12,10 +12,9 @@ of --nanochat-shapes (`defaults`: its CPU shape, depth 4, rows of 512; `kit`: th
 context), run again once where it misses its target by more than 5 %; then the kit's `train.py --preset cpu
 --time-budget T` (and --kit-args), T = the seconds nanochat's first shape trained; every checkpoint scored by
 `prepare.py eval-public --seq-len 512` (the longest context all trained on) on the same tokens. Every run trains
-and is scored in the dtype `--preset cpu` takes on this machine (train.py measures it). A finished part is kept
-and read back: rerun after a crash to finish the rest. It prints one markdown table, also WORK/table.md. At 1x
-of 425 s a multiple takes about 25 minutes per nanochat shape on 2 cores (--max-tokens 524288). Run it alone:
-the comparison is of speed."""
+and is scored in the dtype `--preset cpu` takes on this machine. A finished part is kept: rerun after a crash.
+It prints one markdown table (also WORK/table.md). At 1x of 425 s a multiple takes ~25 minutes per nanochat
+shape on 2 cores (--max-tokens 524288). Run it alone: the comparison is of speed."""
 from __future__ import annotations
 
 import argparse

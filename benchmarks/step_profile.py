@@ -5,9 +5,8 @@ time on the training thread grouped into what it is, and the gaps between ops (P
     python benchmarks/step_profile.py --preset cpu                   # in the dtype a run takes here (--dtype auto)
     python benchmarks/step_profile.py --preset cpu --dtype fp32      # any train.py flag changes the run
 
-Run it alone: the step shares two cores with nothing else. It profiles the shape the flags give. The loader's share
-needs a prepared dataset
-(`python prepare.py setup --source stdlib`). MFU = model FLOPs per token x tokens/s / the peak measured here."""
+Run it alone. It profiles the shape the flags give; the loader's share needs a prepared dataset (`python prepare.py
+setup --source stdlib`). MFU = model FLOPs per token x tokens/s / the peak measured here."""
 from __future__ import annotations
 
 import argparse

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
+from helpers import every_ingredient, flags_for  # noqa: E402
 
 # aten ops (by name prefix) and dtypes the Neuron backend runs on the host or not at all, with how sure the
 # kit's reference notes are: "unsupported ops fall back to the host silently"; "no fft/complex/sort";
@@ -234,7 +235,7 @@ SHAPES = {  # what the checks cover: d10 (the organisers' baseline) and the pres
     "cpu": ["--preset", "cpu"],
     "gpu": ["--preset", "gpu"],
     "phase2": ["--preset", "phase2"],
-    "every-ingredient": T.flags_for(T.every_ingredient()),
+    "every-ingredient": flags_for(every_ingredient()),
 }
 
 

@@ -23,6 +23,23 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
          "with as by at from que été naïve café 北京 東京 Ωmega").split()
 
 
+def flags_for(settings: dict) -> list[str]:
+    """train.py's command-line flags that make these settings ({field: value}, as in its PRESETS)."""
+    flags = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def every_ingredient() -> dict:
+    """{field: a value that turns it on} for every ingredient of train.py's Architecture (an `ingredient(off, on)`)."""
+    import dataclasses
+    sys.path.insert(0, str(REPO))
+    import train
+    return {f.name: f.metadata["on"] for f in dataclasses.fields(train.Architecture) if "on" in f.metadata}
+
+
 def shipped_tokenizer() -> prepare.Tokenizer:
     path = prepare.SHIPPED_TOKENIZER_DIR / "stdlib.json"
     return prepare.Tokenizer.from_file(path, prepare.sha256_file(path))

@@ -727,7 +727,12 @@ if os.environ.get("SUBMISSION_PROBE_CONTROL") != "1":
     thread = threading.Thread(target=from_a_thread)
     thread.start()
     thread.join()
-    statuses = [open(f"/proc/self/task/{t}/status").read() for t in os.listdir("/proc/self/task")]
+    statuses = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            statuses.append(open(f"/proc/self/task/{t}/status").read())
+        except FileNotFoundError:  # a thread that ended between the listing and the read
+            pass
     confined = all("Seccomp:\t2" in s and "NoNewPrivs:\t1" in s and "CapEff:\t0000000000000000" in s for s in statuses)
     print("PROBE threads", "CONFINED" if confined else "OUTSIDE", len(statuses), file=sys.stderr)
 attempt("write_private", lambda: open("own.txt", "w").write("x"))

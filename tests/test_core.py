@@ -514,3 +514,49 @@ def test_the_trusted_path_scores_a_constant_row_as_uniform_and_its_ties_as_misse
                         [(np.full(5, np.log(64)), np.array(claimed))], 0)
         found = verify.trusted_decision_check(sample, [(lp, top, argmax)])
         assert found["decision_lean"] == lean and found["flipped"] == bool(lean) and found["margin_flipped"] == 0
+
+
+def test_the_second_pass_shadows_only_the_batches_that_hold_a_uniform_row():
+    """Every sequence of every verified example runs in the first pass; the second runs a same-shape shadow of each
+    batch that holds a row of the uniform sample, and no other: the twins check causality on a secret sample,
+    while the near-ties get their trusted decisions from the first pass alone."""
+    vocab, rng = 64, np.random.default_rng(0)
+
+    class Tokenizer:
+        def get_vocab_size(self):
+            return vocab
+
+        def get_bos_token_id(self):
+            return 0
+
+    class Forward:  # uniform logits, every batch recorded
+        max_len = 64
+
+        def __init__(self, log):
+            self.log, self.pending = log, []
+
+        def submit(self, rows):
+            self.log.append(rows.copy())
+            self.pending.append(np.zeros((*rows.shape, vocab), dtype=np.float32))
+
+        def result(self):
+            return self.pending.pop(0)
+
+    task, samples = Task("t", "multiple_choice", 0, " ", "", 50.0), []
+    for k in range(12):  # two choices of 20 + k tokens: a batch of 4 rows holds two examples
+        seqs = [[int(t) for t in rng.integers(1, vocab, 20 + k)] for _ in range(2)]
+        claimed = [(np.full(len(s) - 1, math.log(vocab)), np.zeros(len(s) - 1, dtype=np.int64)) for s in seqs]
+        samples.append(Sample(task, Request(seqs, [12, 12], [len(s) for s in seqs], 0), claimed, k,
+                              uniform=k in (3, 8)))
+    passes = []
+
+    def open_pass(k):
+        passes.append([])
+        return contextlib.nullcontext(Forward(passes[-1]))
+
+    found = verify.verify_samples(samples, open_pass, Tokenizer(), random.Random(1))
+    first, second = passes
+    assert sum(len(b) for b in first) == 24 and len(first) == 6
+    assert len(second) == 2 and all(b.shape == first[0].shape for b in second)  # the batches of 2-3 and 8-9
+    assert found["shadow_rows"] == 8 and 0 < found["twins"] <= 4
+    assert found["decided"] == {"t": [12, 12, 12]}  # a tie goes to the first choice, the gold one, on both paths

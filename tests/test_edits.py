@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import REPO
+from helpers import REPO, every_ingredient, flags_for
 
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
@@ -39,7 +39,7 @@ class SecondHead(T.GPT):
 
     def __init__(self, config):
         super().__init__(config)
-        self.next_next = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.t_plus_2 = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, idx, targets=None, positions=None, attn_mask=None):
         if targets is None:
@@ -48,7 +48,7 @@ class SecondHead(T.GPT):
         handle = self.lm_head.register_forward_hook(lambda m, args, out: hidden.update(x=args[0]))
         loss = super().forward(idx, targets)
         handle.remove()
-        logits = self.next_next(hidden["x"])
+        logits = self.t_plus_2(hidden["x"])
         return loss + T.training_loss(logits[:, :-1], targets[:, 1:], self.config.logit_softcap)
 
 
@@ -93,7 +93,7 @@ def test_a_tied_head_gets_the_heads_init_and_starts_where_an_untied_one_does():
 
 
 def test_a_second_head_gets_the_heads_init():
-    head = built(SecondHead).next_next.weight
+    head = built(SecondHead).t_plus_2.weight
     assert 0.0005 < head.std() < 0.002
 
 
@@ -117,7 +117,7 @@ def matmul_flops_per_token(model: T.GPT, tokens: int = 16) -> float:
 
 
 @pytest.mark.parametrize("kind, argv", [(T.GPT, ()), (TiedHead, ()), (SecondHead, ()), (InputGain, ()),
-                                        (T.GPT, ("--n-kv-head", "1", *T.flags_for(T.every_ingredient())))])
+                                        (T.GPT, ("--n-kv-head", "1", *flags_for(every_ingredient())))])
 def test_the_flops_count_is_what_a_training_step_multiplies(monkeypatch, kind, argv):
     """6 per weight of each matmul the step runs, however it is declared (a tied head included, lookups not),
     plus attention by its formula over each layer's context; vectors count 6 per weight, the kit's convention."""
@@ -253,9 +253,17 @@ DOCUMENTED_EDITS = {
          "    cooldown = 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - 1 + recipe.warmdown_ratio) / "
          "recipe.warmdown_ratio)))\n")],
 }
-# The modules whose tests read train.py's model, loss, optimizer, schedules and planner; their slow tests stay out
-EDIT_MODULES = ["test_model.py", "test_edits.py", "test_optimizer.py", "test_kernels.py", "test_plan.py",
-                "test_ingredients.py", "test_train.py"]
+# The modules whose tests read what each edit changes (the model, its loss, the optimizer's table, the schedules,
+# the planner's counts); their slow tests stay out. test_model.py reads every edit's forward and loss.
+AFFECTED_MODULES = {
+    "z-loss": ["test_model.py", "test_kernels.py", "test_train.py"],
+    "tied-head": ["test_model.py", "test_edits.py", "test_optimizer.py", "test_plan.py"],
+    "second-head": ["test_model.py", "test_edits.py", "test_optimizer.py", "test_plan.py"],
+    "head-temperature": ["test_model.py", "test_edits.py", "test_optimizer.py", "test_ingredients.py"],
+    "head-temperature-flag": ["test_model.py", "test_optimizer.py", "test_ingredients.py", "test_train.py"],
+    "swiglu": ["test_model.py", "test_edits.py", "test_plan.py", "test_ingredients.py"],
+    "cosine-warmdown": ["test_model.py", "test_train.py"],
+}
 
 
 def edited_kit(folder, edit: str):
@@ -276,11 +284,14 @@ def edited_kit(folder, edit: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("edit", sorted(DOCUMENTED_EDITS))
 def test_a_documented_edit_leaves_the_suite_green(tmp_path, edit):
-    """The suite checks the kit, not the baseline's numbers: after each documented edit its modules on the model,
-    loss, optimizer, schedules and planner pass (their inner loop: -m "not slow")."""
+    """The suite checks the kit, not the baseline's numbers: after each documented edit the modules that read what
+    it changes pass (their inner loop: -m "not slow")."""
+    import os
     import subprocess
     kit = edited_kit(tmp_path, edit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # its own run, not this worker's
+    modules = [f"tests/{m}" for m in AFFECTED_MODULES[edit]]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
-                             *[f"tests/{m}" for m in EDIT_MODULES]], cwd=kit, capture_output=True, text=True,
-                            timeout=900)
+                             "--basetemp", str(tmp_path / "pytest"), *modules],
+                            cwd=kit, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{edit}:\n{result.stdout[-4000:]}{result.stderr[-2000:]}"

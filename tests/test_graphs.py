@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import graph_checks as R  # noqa: E402
+import graph_checks as R
+from helpers import every_ingredient, flags_for
 
 T = R.T
 TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--seq-len", "64", "--device-batch-size", "2",
@@ -152,7 +153,7 @@ def host_reads_of_a_run(argv, monkeypatch, train_main) -> R.HostReads:
 
 @pytest.mark.slow
 def test_a_step_reads_nothing_back_and_the_bookkeeping_reads_once_per_step(tmp_path, monkeypatch, train_main):
-    argv = [*TINY, *T.flags_for(T.every_ingredient()), "--max-steps", "8", "--eval-tokens", "0",
+    argv = [*TINY, *flags_for(every_ingredient()), "--max-steps", "8", "--eval-tokens", "0",
             "--out-dir", str(tmp_path / "out")]
     reads = host_reads_of_a_run(argv, monkeypatch, train_main)
     assert reads.in_region("step") == []

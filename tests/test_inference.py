@@ -13,14 +13,14 @@ import train as T
 from core_bundle import make_bundle
 from harness.core.bundle import bundle_from_dir, load_examples, load_tasks
 from harness.core.prompts import build_request, shuffled_and_capped
-from helpers import REPO, prepare_in_process, shipped_tokenizer
+from helpers import REPO, every_ingredient, prepare_in_process, shipped_tokenizer
 
 VOCAB = 512
 
 
 # Every ingredient of the recipe on at once: value embeddings, and a short window that counts distances by
 # position.
-EVERY_INGREDIENT = dict(n_layer=3, **T.every_ingredient(), short_window=24)
+EVERY_INGREDIENT = dict(n_layer=3, **every_ingredient(), short_window=24)
 
 
 def tiny_gpt(dtype="fp32", seed=0, **ingredients) -> T.GPT:

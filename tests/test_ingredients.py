@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, prepare_in_process
+from helpers import REPO, every_ingredient, flags_for, prepare_in_process
 
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
@@ -19,8 +19,8 @@ from conftest import TINY_TRAIN_ARGS  # noqa: E402
 
 VOCAB = 512
 SHAPE = ["--depth", "4", "--aspect-ratio", "16", "--head-dim", "16", "--seq-len", "32"]
-EVERY_INGREDIENT = T.flags_for({**T.every_ingredient(), "short_window": 5})  # train.py's list of ingredients
-ONE_AT_A_TIME = {name: T.flags_for({name: on}) for name, on in T.every_ingredient().items()}
+EVERY_INGREDIENT = flags_for({**every_ingredient(), "short_window": 5})  # train.py's list of ingredients
+ONE_AT_A_TIME = {name: flags_for({name: on}) for name, on in every_ingredient().items()}
 
 
 def gpt(argv=(), seed=0, dtype="fp32", perturb=True) -> T.GPT:
@@ -36,11 +36,11 @@ def gpt(argv=(), seed=0, dtype="fp32", perturb=True) -> T.GPT:
 
 
 def test_every_ingredient_is_off_by_default_and_only_adds_to_the_baseline():
-    off = {name: getattr(T.Architecture(), name) for name in T.every_ingredient()}
-    baseline, explicit_off = gpt(perturb=False), gpt(T.flags_for(off), perturb=False)
+    off = {name: getattr(T.Architecture(), name) for name in every_ingredient()}
+    baseline, explicit_off = gpt(perturb=False), gpt(flags_for(off), perturb=False)
     every = gpt(EVERY_INGREDIENT, perturb=False)
     assert baseline.state_dict().keys() == explicit_off.state_dict().keys() < every.state_dict().keys()
-    assert all(getattr(T.Recipe().architecture, name) != on for name, on in T.every_ingredient().items())
+    assert all(getattr(T.Recipe().architecture, name) != on for name, on in every_ingredient().items())
 
 
 @pytest.mark.parametrize("name", sorted(ONE_AT_A_TIME))
@@ -65,10 +65,27 @@ def test_each_ingredient_is_wired_in(name):
 def test_windows_shorten_attention_in_the_flops_count():
     """The matmuls are counted as a training step runs them (tests/test_edits.py, every ingredient on included);
     a window layer's attention covers its window."""
-    full, windows = gpt(perturb=False), gpt(T.flags_for({"window_pattern": "SSSL", "short_window": 5}), perturb=False)
+    full, windows = gpt(perturb=False), gpt(flags_for({"window_pattern": "SSSL", "short_window": 5}), perturb=False)
     c = full.config
-    assert windows.config.windows == [5, 5, 5, None]  # SSSL over 4 layers, the last one L
+    assert windows.config.windows == [5, 5, 5, c.sequence_len]  # SSSL over 4 layers, the last one L
+    assert full.config.windows == [c.sequence_len] * 4  # L: the whole training row
     assert windows.flops_per_token() == full.flops_per_token() - 3 * 12 * c.n_embd * (c.sequence_len - 5)
+
+
+def test_no_layer_looks_further_back_than_a_training_row_in_a_longer_row():
+    """The scorer reads rows longer than the training rows (1,024 against the cpu preset's 256): there a full-context
+    layer attends over the last sequence_len tokens, the distances it trained at, and nothing changes within a
+    training row's length."""
+    model = gpt(["--depth", "1"], perturb=True)  # one layer: what it sees is what its window lets in
+    n = model.config.sequence_len
+    idx = torch.randint(0, VOCAB, (1, 3 * n), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        long = model(idx)
+        assert torch.equal(model(idx[:, :n]), long[:, :n])  # within a training row: causal, as before
+        shifted = idx.clone()
+        shifted[:, :n] = (shifted[:, :n] + 1) % VOCAB  # tokens more than a row back from position 2n + 5 on
+        assert torch.allclose(model(shifted)[:, 2 * n + 5:], long[:, 2 * n + 5:], atol=1e-5)
+        assert not torch.allclose(model(shifted)[:, n + 5:2 * n - 5], long[:, n + 5:2 * n - 5], atol=1e-5)
 
 
 def test_bad_ingredient_flags_are_clear_errors(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_TRAIN_ARGS as TINY
-from helpers import REPO
+from helpers import REPO, every_ingredient, flags_for
 
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
@@ -230,7 +230,7 @@ def test_train_py_imports_only_the_organisers_names_from_prepare():
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
 
-EVERY_INGREDIENT = T.flags_for(T.every_ingredient())
+EVERY_INGREDIENT = flags_for(every_ingredient())
 
 
 @pytest.mark.slow

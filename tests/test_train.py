@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import prepare
-from helpers import REPO, prepare_in_process
+from helpers import REPO, every_ingredient, prepare_in_process
 
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
@@ -230,7 +230,7 @@ def test_the_default_recipe_is_the_organisers_d10():
     holds the kit's arithmetic)."""
     c = T.model_config(T.Recipe())
     assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.sequence_len, c.vocab_size) == (10, 640, 5, 5, 2048, 8192)
-    assert all(getattr(T.Recipe().architecture, name) != on for name, on in T.every_ingredient().items())
+    assert all(getattr(T.Recipe().architecture, name) != on for name, on in every_ingredient().items())
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ where both folders hold a report of it for their own checkpoint at the same cont
 prepare.py eval-public --checkpoint DIR/final.pt` writes it beside the checkpoint), else train.py's own estimate
 (summary.json's val_bpb, on the same tokens of public_val for the same --eval-tokens). The seed spread is the
 range of val_bpb over the seeds of the cpu preset at the runs' budget and compute dtype in
-benchmarks/results/presets.tsv (`python benchmarks/preset_sweep.py --budget 300 --seeds 1,2,3,4,5 --results
-benchmarks/results/presets.tsv` measures it); a difference within it is not shown to be the edit's effect."""
+benchmarks/results/seeds.tsv (`python benchmarks/preset_sweep.py --budget 300 --seeds 1,2,3,4 --results
+benchmarks/results/seeds.tsv` measures it); a difference within it is not shown to be the edit's effect."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import train as T  # noqa: E402
 
-PRESETS_TSV = REPO / "benchmarks" / "results" / "presets.tsv"
+SEEDS_TSV = REPO / "benchmarks" / "results" / "seeds.tsv"  # the cpu preset as it ships, several seeds
 SPREAD_MIN_SEEDS = 3  # seeds a spread needs before a verdict rests on it
 
 
@@ -83,11 +83,12 @@ def shape(run: dict) -> str:
            f"{r.get('total_batch_size')} tokens a step, {s.get('compute_dtype')}"
 
 
-def seed_spread(run: dict, path: Path = PRESETS_TSV) -> dict | None:
+def seed_spread(run: dict, path: Path | None = None) -> dict | None:
     """The val_bpb of the seeds of the cpu preset as it ships, at this run's budget and compute dtype, from
-    presets.tsv: {values, spread (max - min), texts}, or None where this run is not that preset or too few seeds
+    SEEDS_TSV: {values, spread (max - min), texts}, or None where this run is not that preset or too few seeds
     were measured. (The spread of a preset carries to an edit of train.py: the edit is what differs.)"""
     preset, mine = T.recipe_settings(T.parse_command_line(["--preset", "cpu"])[0]), run["recipe"]
+    path = path or SEEDS_TSV
     if not mine or not path.is_file() or any(mine.get(k) != v for k, v in preset.items()
                                              if k not in ("seed", "time_budget", "dtype")):
         return None  # (a flag of the edit's own, off, leaves it the preset)
@@ -126,7 +127,7 @@ def compare(a: dict, b: dict) -> tuple[list[tuple[str, str, str]], str]:
     sa, sb = a["summary"], b["summary"]
     rows = [("val_bpb", f"{bpb_a:.4f}", f"{bpb_b:.4f} ({bpb_b - bpb_a:+.4f}; {what})"),
             ("steps", str(sa.get("num_steps")), str(sb.get("num_steps"))),
-            ("tokens/s", f"{float(sa.get('tokens_per_second', 0)):,.0f}", f"{float(sb.get('tokens_per_second', 0)):,.0f}"),
+            ("tokens/s", *(f"{float(s.get('tokens_per_second', 0)):,.0f}" for s in (sa, sb))),
             ("charged seconds", str(sa.get("charged_seconds")), str(sb.get("charged_seconds"))),
             ("shape", shape(a), "the same" if shape(a) == shape(b) else shape(b)),
             ("train.py", (a["train_py"] or "?")[:12], "the same" if a["train_py"] == b["train_py"] else
@@ -137,14 +138,15 @@ def compare(a: dict, b: dict) -> tuple[list[tuple[str, str, str]], str]:
     diff = bpb_b - bpb_a
     if spread is None:
         verdict = ("no seed spread is measured for these runs (the cpu preset at this budget and dtype, in "
-                   f"benchmarks/results/presets.tsv, {SPREAD_MIN_SEEDS} seeds or more): run a few seeds of each side "
+                   f"benchmarks/results/seeds.tsv, {SPREAD_MIN_SEEDS} seeds or more): run a few seeds of each side "
                    "(--seed) to tell an effect from noise")
     else:
         n, text = len(spread["values"]), spread["text"]
         beyond = abs(diff) > spread["spread"]
         verdict = (f"B is {'better' if diff < 0 else 'worse'} by {abs(diff):.4f}, "
-                   f"{'beyond' if beyond else 'within'} the seed spread of this preset and budget ({spread['spread']:.4f}"
-                   f": the range of {n} seeds on {text}, the widest of {', '.join(spread['texts'])})"
+                   f"{'beyond' if beyond else 'within'} the seed spread of this preset and budget "
+                   f"({spread['spread']:.4f}: the range of {n} seeds on {text}, the widest of "
+                   f"{', '.join(spread['texts'])})"
                    + ("" if beyond else ": not shown to be the edit's effect; more seeds of each side would tell"))
     return rows, verdict
 

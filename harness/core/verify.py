@@ -3,6 +3,7 @@ trusted path (train.py's load_for_eval in two model workers, log-probs computed 
 logits), with twins cut at secret points; any disagreement beyond a tolerance refuses the run."""
 from __future__ import annotations
 
+import collections
 import math
 import random
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class TrustedRow:
     ids: np.ndarray  # int64 [len - 1, k]: the token ids whose log-probs are kept at each position
     key: tuple[int, int]  # (sample, sequence)
     cut: int | None = None
+    first: int = 0  # the first position whose log-probs anything reads (a shadowed row's: 0; else its scored region's)
 
 
 def padded_length(rows: list[TrustedRow], max_len: int) -> int:
@@ -67,9 +69,10 @@ def run_rows(forward: ModelForward, batches: list[list[TrustedRow]], pad_id: int
         batch = queue.pop(0)
         logits = torch.from_numpy(forward.result())
         got = []
-        for r, row in enumerate(batch):
-            x = logits[r, :len(row.tokens) - 1]
-            got.append(checked_log_probs(x, row.ids, "the trusted model", top=2))
+        for r, row in enumerate(batch):  # the log-softmax only where it is read: positions before `first` are 0
+            x = logits[r, row.first:len(row.tokens) - 1]
+            lp, top, argmax = checked_log_probs(x, row.ids[row.first:], "the trusted model", top=2)
+            got.append(tuple(torch.cat([t.new_zeros((row.first, *t.shape[1:])), t]) for t in (lp, top, argmax)))
         out.append(got)
 
     for batch in batches:
@@ -86,12 +89,14 @@ def run_rows(forward: ModelForward, batches: list[list[TrustedRow]], pad_id: int
     return out
 
 
-def _twin_tokens(seq: list[int], cut: int, donors: list[list[int]], rng: random.Random) -> list[int] | None:
+def _twin_tokens(seq: list[int], cut: int, donors: list[tuple[int, list[int]]], rng: random.Random,
+                 own: int) -> list[int] | None:
     """seq's tokens before cut, then other real text (a donor's tokens from the cut on, repeated to
-    fill) whose first token differs from seq's at the cut: the same length as seq."""
+    fill; a donor: (its sample, its tokens), never the sample `own`) whose first token differs from
+    seq's at the cut: the same length as seq."""
     for _ in range(20):
-        donor = donors[rng.randrange(len(donors))]
-        if len(donor) > cut and donor[cut] != seq[cut]:
+        sample, donor = donors[rng.randrange(len(donors))]
+        if sample != own and len(donor) > cut and donor[cut] != seq[cut]:
             tail = (list(donor[cut:]) * (len(seq) // (len(donor) - cut) + 1))[:len(seq) - cut]
             return list(seq[:cut]) + tail
     return None
@@ -286,18 +291,25 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
             ids = np.concatenate([np.asarray(seq[1:], dtype=np.int64)[:, None], claimed[:, None],
                                   np.broadcast_to(secret_ids, (len(seq) - 1, VERIFY_SECRET_IDS))], axis=1)
             originals[k, j] = TrustedRow(list(seq), ids, (k, j))
-    twinned = {}  # sample -> (sequence, cut, twin tokens)
-    for k, sample in enumerate(samples):
-        j = rng.randrange(len(sample.request.sequences))
-        seq, s, e = sample.request.sequences[j], sample.request.starts[j], sample.request.ends[j]
-        donors = [r.tokens for key, r in originals.items() if key[0] != k]
-        if e > s and donors:
+    # by length, in a secret order among equal lengths: where a row sits says nothing of why it is verified
+    rows = sorted(rng.sample(list(originals.values()), len(originals)), key=lambda r: len(r.tokens))
+    batches = [rows[i:i + VERIFY_BATCH_ROWS] for i in range(0, len(rows), VERIFY_BATCH_ROWS)]
+    checked = [b for b in batches if any(samples[row.key[0]].uniform for row in b)]
+    for row in rows:  # an unshadowed row is read in its scored region only (at least one position: an empty one)
+        row.first = min(samples[row.key[0]].request.starts[row.key[1]] - 1, len(row.tokens) - 2)
+    shadowed = collections.defaultdict(list)  # sample -> its sequences in the batches the second pass shadows
+    for row in (row for batch in checked for row in batch):
+        shadowed[row.key[0]].append(row.key[1])
+        row.first = 0  # its shadow compares every position before the cut
+    twinned, donors = {}, [(key[0], r.tokens) for key, r in originals.items()]  # sample -> (sequence, cut, twin)
+    for k in sorted(shadowed):
+        j = rng.choice(sorted(shadowed[k]))
+        seq, s, e = samples[k].request.sequences[j], samples[k].request.starts[j], samples[k].request.ends[j]
+        if e > s and len(samples) > 1:
             cut = rng.randrange(s, e)
-            twin = _twin_tokens(seq, cut, donors, rng)
+            twin = _twin_tokens(seq, cut, donors, rng, k)
             if twin is not None:
                 twinned[k] = (j, cut, twin)
-    rows = sorted(originals.values(), key=lambda r: len(r.tokens))
-    batches = [rows[i:i + VERIFY_BATCH_ROWS] for i in range(0, len(rows), VERIFY_BATCH_ROWS)]
 
     def shadow(batch: list[TrustedRow]) -> list[TrustedRow]:
         out = []
@@ -311,7 +323,6 @@ def verify_samples(samples: list[Sample], open_pass, tokenizer, rng: random.Rand
 
     trusted: dict[tuple[int, int], tuple] = {}
     shadows: list[tuple[TrustedRow, tuple]] = []
-    checked = [b for b in batches if any(samples[row.key[0]].uniform for row in b)]
     for p, plan in enumerate((batches, [shadow(b) for b in rng.sample(checked, len(checked))])):
         with open_pass(p) as forward:
             results = run_rows(forward, plan, pad)
