@@ -545,10 +545,10 @@ def test_a_lean_towards_a_heuristic_that_often_picks_gold_is_refused(tmp_path, t
     with pytest.raises(CoreError, match=LEAN_REFUSAL):
         refuse_bias(verify_in_process(model, samples, tok)["bias"])
     rng = random.Random(0)
+    by_task = {}
+    for sample in samples:
+        by_task.setdefault(sample.task.label, []).append(sample)
     for _ in range(3):  # the control: 8 examples a task (a large task's 2 %) see too few leans to tell from coins
-        by_task = {}
-        for sample in core(leaner)[1]:
-            by_task.setdefault(sample.task.label, []).append(sample)
         refuse_bias(verify_in_process(model, [x for group in by_task.values() for x in rng.sample(group, 8)],
                                       tok)["bias"])
 
