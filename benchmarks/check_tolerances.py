@@ -19,7 +19,6 @@ rest on. For the kit's own model in fp32 and in bf16, on this machine's device:
 Uses the active dataset's public_val for the val_bpb rows. Without --checkpoint, a CPU-preset model
 with random weights everywhere is used (its near-uniform outputs make a weak test: use a trained one)."""
 import argparse
-import math
 import os
 import random
 import shutil

@@ -9,8 +9,9 @@ where both folders hold a report of it for their own checkpoint at the same cont
 prepare.py eval-public --checkpoint DIR/final.pt` writes it beside the checkpoint), else train.py's own estimate
 (summary.json's val_bpb, on the same tokens of public_val for the same --eval-tokens). The seed spread is the
 range of val_bpb over the seeds of the cpu preset at the runs' budget and compute dtype in
-benchmarks/results/seeds.tsv (`python benchmarks/preset_sweep.py --budget 300 --seeds 1,2,3,4 --results
-benchmarks/results/seeds.tsv` measures it); a difference within it is not shown to be the edit's effect."""
+benchmarks/results/seeds.tsv (`python benchmarks/preset_sweep.py --budget 300 --seeds 1,2,3 --eval-tokens 262144
+--results benchmarks/results/seeds.tsv` measures it, on the preset's own count of tokens); a difference within
+it is not shown to be the edit's effect."""
 from __future__ import annotations
 
 import argparse
@@ -83,16 +84,15 @@ def shape(run: dict) -> str:
            f"{r.get('total_batch_size')} tokens a step, {s.get('compute_dtype')}"
 
 
-def seed_spread(run: dict, path: Path | None = None) -> dict | None:
+def seed_spread(run: dict) -> dict | None:
     """The val_bpb of the seeds of the cpu preset as it ships, at this run's budget and compute dtype, from
     SEEDS_TSV: {values, spread (max - min), texts}, or None where this run is not that preset or too few seeds
     were measured. (The spread of a preset carries to an edit of train.py: the edit is what differs.)"""
     preset, mine = T.recipe_settings(T.parse_command_line(["--preset", "cpu"])[0]), run["recipe"]
-    path = path or SEEDS_TSV
-    if not mine or not path.is_file() or any(mine.get(k) != v for k, v in preset.items()
+    if not mine or not SEEDS_TSV.is_file() or any(mine.get(k) != v for k, v in preset.items()
                                              if k not in ("seed", "time_budget", "dtype")):
         return None  # (a flag of the edit's own, off, leaves it the preset)
-    with open(path) as f:
+    with open(SEEDS_TSV) as f:
         rows = [r for r in csv.DictReader(f, delimiter="\t") if (r["base"], r["shape"], r["ingredients"], r["extra"])
                 == ("cpu", "now", "as-is", "") and r["length"] == f"{mine['time_budget']:g}s"
                 and r["dtype"] == mine["dtype"]]
@@ -134,7 +134,8 @@ def compare(a: dict, b: dict) -> tuple[list[tuple[str, str, str]], str]:
              (b["train_py"] or "?")[:12])]
     flags = differing_settings(a, b)
     rows.append(("flags that differ", "", "; ".join(flags) if flags else "none"))
-    spread = seed_spread(a) if seed_spread(a) == seed_spread(b) else None
+    spread_a, spread_b = seed_spread(a), seed_spread(b)
+    spread = spread_a if spread_a == spread_b else None
     diff = bpb_b - bpb_a
     if spread is None:
         verdict = ("no seed spread is measured for these runs (the cpu preset at this budget and dtype, in "
